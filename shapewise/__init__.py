@@ -1,0 +1,54 @@
+"""shapewise: one Dynamo trace, N static Inductor compiles, O(1) shape dispatch.
+
+>>> import shapewise as sw
+>>> fast = sw.compile(model, sizes=[1, 8, 64], ranges=[(65, 4096)], splitting_ops=["sdpa"])
+>>> runnable = sw.Pipeline([sw.Split(ops=["sdpa"]), sw.Concretize(sizes=[1, 8]), sw.Lower()]).run(gm)
+"""
+
+from shapewise.concretize import AnalyzeShapes, Concretize
+from shapewise.dispatch import BuildDispatch, DispatchTable, Runnable
+from shapewise.errors import (
+    BindingError,
+    CompileError,
+    ConfigError,
+    DispatchMiss,
+    GuardViolation,
+    InputMismatch,
+    ShapewiseError,
+)
+from shapewise.graph_split import Split, register_alias
+from shapewise.passes import (
+    Binding,
+    Instrument,
+    Lower,
+    Pass,
+    Pipeline,
+    PrintAfter,
+    Program,
+    Timing,
+    format_graph,
+    format_program,
+    parse_spec,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnalyzeShapes", "Binding", "BindingError", "BuildDispatch", "CompileError", "Concretize", "ConfigError",
+    "DispatchMiss", "DispatchTable", "GuardViolation", "InputMismatch", "Instrument", "Lower", "Pass",
+    "Pipeline", "PrintAfter", "Program", "Runnable", "ShapewiseError", "Split", "Timing", "compile",
+    "format_graph", "format_program", "parse_spec", "plan_sizes", "register_alias",
+]
+
+
+def __getattr__(name: str):
+    # Lazy: the backend imports Dynamo, the planner numpy; neither is needed for the passes.
+    if name == "compile":
+        from shapewise.backend import compile
+
+        return compile
+    if name == "plan_sizes":
+        from shapewise.planner import plan_sizes
+
+        return plan_sizes
+    raise AttributeError(f"module 'shapewise' has no attribute {name!r}")

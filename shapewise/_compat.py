@@ -1,0 +1,193 @@
+"""Every use of torch internals lives here, so a torch upgrade touches one module.
+
+Supported: torch >= 2.11 (GPU machine: 2.11.0; CPU machines: 2.13.0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+from torch._prims_common import compute_required_storage_length
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PythonMod
+
+__all__ = [
+    "CeilDiv",
+    "FakeTensor",
+    "FakeTensorMode",
+    "FloorDiv",
+    "Max",
+    "Min",
+    "Mod",
+    "PythonMod",
+    "compiled_source",
+    "fresh_tracing_context",
+    "no_zero_one_specialisation",
+    "node_value",
+    "placeholder_source",
+    "shape_env_of",
+    "standalone_compile",
+    "storage_length",
+    "sym_expr",
+    "symbol_hints",
+    "trace_guards",
+    "value_range",
+]
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def node_value(node: torch.fx.Node) -> Any:
+    """The fake value an FX node carries: ``val`` (AOT / make_fx) or ``example_value`` (Dynamo)."""
+    meta = node.meta
+    if "val" in meta:
+        return meta["val"]
+    return meta.get("example_value")
+
+
+def sym_expr(value: Any) -> sympy.Expr:
+    """A SymInt or int as a sympy expression."""
+    if isinstance(value, torch.SymInt):
+        return value.node.expr
+    return sympy.Integer(int(value))
+
+
+def shape_env_of(values: Sequence[Any]):
+    """The ShapeEnv behind the first symbolic value found in ``values`` (or None)."""
+    for v in values:
+        if isinstance(v, torch.SymInt):
+            return v.node.shape_env
+        if isinstance(v, FakeTensor) and v.fake_mode.shape_env is not None:
+            return v.fake_mode.shape_env
+    return None
+
+
+def symbol_hints(shape_env) -> dict[sympy.Symbol, int]:
+    """Traced (example) values of the backed symbols."""
+    if shape_env is None:
+        return {}
+    table = getattr(shape_env, "backed_var_to_val", None)
+    if table is None:  # torch 2.11 spelling
+        table = shape_env.var_to_val
+    return {k: int(v) for k, v in table.items()}
+
+
+def value_range(shape_env, symbol: sympy.Symbol) -> tuple[int | None, int | None]:
+    """The (lower, upper) bounds the trace proved for ``symbol``; None where unbounded."""
+    vr = shape_env.var_to_range.get(symbol) if shape_env is not None else None
+    if vr is None:
+        return None, None
+
+    def as_int(b):
+        b = sympy.sympify(b)
+        return int(b) if b.is_Integer else None
+
+    return as_int(vr.lower), as_int(vr.upper)
+
+
+def trace_guards(shape_env) -> list[tuple[sympy.Basic, str]]:
+    """The shape guards of a trace, as (sympy boolean, where it came from)."""
+    if shape_env is None:
+        return []
+    out = []
+    for g in shape_env.guards:
+        where = ""
+        sloc = getattr(g, "sloc", None)
+        if sloc is not None:
+            where = str(getattr(sloc, "maybe_user_loc", "") or "").strip()
+        out.append((g.expr, where))
+    return out
+
+
+def storage_length(shape: Sequence[int], stride: Sequence[int], offset: int) -> int:
+    """Exact number of storage elements a strided view needs."""
+    return int(compute_required_storage_length(tuple(shape), tuple(stride), int(offset)))
+
+
+@contextlib.contextmanager
+def no_zero_one_specialisation() -> Iterator[None]:
+    """Trace so that a dynamic size of 0 or 1 does not get specialised (one trace for all sizes)."""
+    import torch.fx.experimental._config as fx_config
+
+    with fx_config.patch(backed_size_oblivious=True):
+        yield
+
+
+@contextlib.contextmanager
+def fresh_tracing_context() -> Iterator[None]:
+    """Leave any surrounding Dynamo tracing context, so a compile sees only its own inputs.
+
+    ``compile_fx`` and AOTAutograd look up the active context's fake mode; inside a Dynamo
+    backend that is Dynamo's (symbolic) one, which would make a "static" compile dynamic.
+    """
+    from torch._guards import tracing
+
+    with tracing(None):
+        yield
+
+
+def standalone_compile(gm: torch.fx.GraphModule, args: list[Any], *, static: bool,
+                       options: dict[str, Any] | None = None):
+    """Inductor compile of ``gm``: fully static from ``args`` or dynamic from the graph."""
+    from torch._inductor import standalone_compile as _sc
+
+    mode = "from_example_inputs" if static else "from_graph"
+    return _sc(gm, args, dynamic_shapes=mode, options=dict(options or {}))
+
+
+def compiled_source(fn: Any) -> str | None:
+    """The Python wrapper code Inductor generated for a compiled artifact, if it kept it."""
+    inner = getattr(fn, "_compiled_fn", fn)
+    src = getattr(inner, "source_code", None)
+    return src if isinstance(src, str) else None
+
+
+def placeholder_source(node: torch.fx.Node):
+    """The Dynamo ``Source`` a placeholder was lifted from (None outside Dynamo graphs)."""
+    grapharg = node.meta.get("grapharg")
+    return getattr(grapharg, "source", None) if grapharg is not None else None
+
+
+def local_name_of(source) -> str | None:
+    """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None."""
+    from torch._dynamo.source import LocalSource
+
+    if isinstance(source, LocalSource):
+        return source.local_name
+    return None
+
+
+def dynamo_unique_graphs() -> int:
+    """Dynamo's own count of graphs it traced in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    torch._dynamo.mark_dynamic(t, dim)
+
+
+def aot_eager(gm: torch.fx.GraphModule, args: list[Any]):
+    from torch._dynamo.backends.debugging import aot_eager as _aot_eager
+
+    return _aot_eager(gm, args)
+
+
+@contextlib.contextmanager
+def unwrap_backend_errors(kinds: type[BaseException] | tuple[type[BaseException], ...]) -> Iterator[None]:
+    """Re-raise our own errors that Dynamo wrapped in ``BackendCompilerFailed`` as themselves."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        yield
+    except BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None) or e.__cause__
+        if isinstance(inner, kinds):
+            raise inner.with_traceback(None) from None
+        raise

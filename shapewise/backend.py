@@ -1,0 +1,212 @@
+"""torch.compile glue: the "shapewise" Dynamo backend and ``shapewise.compile``.
+
+One Dynamo trace (sizes 0/1 not specialised, only the named dims dynamic) is handed to a
+``Pipeline([Split, Concretize, Lower])``; the runnable it returns is what Dynamo calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from shapewise import _compat
+from shapewise.concretize import Concretize
+from shapewise.dispatch.runnable import Runnable
+from shapewise.errors import ConfigError, ShapewiseError
+from shapewise.graph_split import Split
+from shapewise.passes import Instrument, Lower, Pipeline, Program
+
+__all__ = ["ShapewiseModule", "compile", "shapewise_backend"]
+
+DEFAULT_DIM_NAME = "n"
+
+
+def build_pipeline(
+    *,
+    sizes: Any = (),
+    ranges: Any = (),
+    splitting_ops: Sequence[Any] = (),
+    backend: Any = "inductor",
+    options: Mapping[str, Any] | None = None,
+    static_options: Mapping[str, Any] | None = None,
+    range_options: Mapping[str, Any] | None = None,
+    on_compile_error: str = "raise",
+    instruments: Sequence[Instrument] = (),
+) -> Pipeline:
+    """The standard pipeline for the given options."""
+    return Pipeline(
+        [
+            Split(ops=tuple(splitting_ops)),
+            Concretize(sizes=sizes, ranges=ranges),
+            Lower(backend=backend, options=options or (), static_options=static_options or (),
+                  range_options=range_options or (), on_compile_error=on_compile_error),
+        ],
+        instruments=instruments,
+    )
+
+
+_PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "backend", "options", "static_options", "range_options",
+                  "on_compile_error", "instruments"}
+
+
+def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,
+                      **kwargs: Any) -> Runnable:
+    """Dynamo backend: ``torch.compile(model, backend="shapewise", options={"sizes": [1, 8]})``.
+
+    Options: sizes, ranges, splitting_ops, backend, options, static_options, range_options,
+    on_compile_error, on_miss, symbol_names ({symbol name or Symbol: dim name}).
+    """
+    opts = {**dict(options or {}), **kwargs}
+    unknown = set(opts) - _PIPELINE_KEYS - {"on_miss", "symbol_names"}
+    if unknown:
+        raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {sorted(_PIPELINE_KEYS | {'on_miss', 'symbol_names'})}")
+    names = dict(opts.pop("symbol_names", {}) or {})
+    on_miss = opts.pop("on_miss", "error")
+    program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss)
+    return build_pipeline(**opts).run(program)
+
+
+def _dims_spec(spec: Any, arg: str) -> dict[int, str]:
+    """``1`` / ``[0, 1]`` / ``{0: "batch", 1: "seq"}`` → {dim: name}."""
+    if isinstance(spec, bool):
+        raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
+    if isinstance(spec, int):
+        return {spec: DEFAULT_DIM_NAME}
+    if isinstance(spec, Mapping):
+        out = {}
+        for d, name in spec.items():
+            if not isinstance(d, int) or isinstance(d, bool) or not isinstance(name, str) or not name:
+                raise ConfigError(f"dynamic_dims[{arg!r}] maps dims (ints) to names (strings), got {d!r}: {name!r}")
+            out[d] = name
+        return out
+    if isinstance(spec, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in spec):
+        return {d: DEFAULT_DIM_NAME for d in spec}
+    raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
+
+
+class ShapewiseModule:
+    """What ``shapewise.compile`` returns: call it like the model.
+
+    The first call traces once with Dynamo and compiles every size; later calls dispatch.
+    ``report()``, ``runnable``, ``program`` and ``traces`` are available after the first call.
+    """
+
+    def __init__(self, model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (),
+                 splitting_ops: Sequence[Any] = (), dynamic_dims: Mapping[str, Any] | None = None,
+                 backend: Any = "inductor", on_miss: str = "error", **pipeline_options: Any) -> None:
+        unknown = set(pipeline_options) - _PIPELINE_KEYS
+        if unknown:
+            raise ConfigError(f"unknown option(s) {sorted(unknown)} for shapewise.compile; known: "
+                              f"sizes, ranges, splitting_ops, dynamic_dims, backend, on_miss, "
+                              f"{', '.join(sorted(_PIPELINE_KEYS - {'sizes', 'ranges', 'splitting_ops', 'backend'}))}")
+        if on_miss not in ("error", "dynamic", "eager"):
+            raise ConfigError(f"on_miss must be 'error', 'dynamic' or 'eager', got {on_miss!r}")
+        self.model = model
+        fn = model.forward if isinstance(model, torch.nn.Module) else model
+        self._signature = inspect.signature(fn)
+        params = self._signature.parameters
+        self._dims: dict[str, dict[int, str]] | None = None
+        if dynamic_dims is not None:
+            self._dims = {}
+            for arg, spec in dynamic_dims.items():
+                if arg not in params:
+                    raise ConfigError(f"dynamic_dims names {arg!r}, which is not an argument of "
+                                      f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
+                self._dims[arg] = _dims_spec(spec, arg)
+        self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=tuple(splitting_ops), backend=backend,
+                             **pipeline_options)
+        build_pipeline(**self._options)  # validates op names, backend, options before any trace
+        self._on_miss = on_miss
+        self._symbol_names: dict[sympy.Symbol, str] = {}
+        self._arg_dims: dict[str, dict[int, str]] = {}
+        self.runnables: list[Runnable] = []
+        self._lock = threading.Lock()
+        self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
+
+    # -- tracing -------------------------------------------------------------------------
+    def _mark(self, args: tuple, kwargs: dict) -> None:
+        bound = self._signature.bind(*args, **kwargs)
+        dims = self._dims
+        if dims is None:
+            dims = {k: {0: DEFAULT_DIM_NAME} for k, v in bound.arguments.items()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0}
+        for arg, spec in dims.items():
+            if arg not in bound.arguments:
+                raise ConfigError(f"dynamic_dims names {arg!r}, but this call does not pass it")
+            value = bound.arguments[arg]
+            if not isinstance(value, torch.Tensor):
+                raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(value).__name__}, not a tensor")
+            for d in spec:
+                if not -value.dim() <= d < value.dim():
+                    raise ConfigError(f"dynamic_dims names dim {d} of {arg!r}, which has {value.dim()} dims")
+                _compat.mark_dynamic(value, d % value.dim())
+        self._arg_dims = {a: {d % bound.arguments[a].dim(): n for d, n in s.items()} for a, s in dims.items()}
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Runnable:
+        names: dict[sympy.Symbol, str] = {}
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            arg = _compat.local_name_of(_compat.placeholder_source(node))
+            value = _compat.node_value(node)
+            if arg in self._arg_dims and isinstance(value, torch.Tensor):
+                for d, name in self._arg_dims[arg].items():
+                    e = _compat.sym_expr(value.shape[d])
+                    if isinstance(e, sympy.Symbol):
+                        names.setdefault(e, name)
+        self._symbol_names = names
+        runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
+                                                          "on_miss": self._on_miss})
+        self.runnables.append(runnable)
+        return runnable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.runnables:
+            with self._lock:
+                if not self.runnables:
+                    self._mark(args, kwargs)
+                    with _compat.no_zero_one_specialisation(), _compat.unwrap_backend_errors(ShapewiseError):
+                        return self._compiled(*args, **kwargs)
+        with _compat.unwrap_backend_errors(ShapewiseError):
+            return self._compiled(*args, **kwargs)
+
+    # -- inspection ----------------------------------------------------------------------
+    @property
+    def runnable(self) -> Runnable:
+        if not self.runnables:
+            raise ShapewiseError("nothing compiled yet: call the compiled model once (that call traces and compiles)")
+        return self.runnables[-1]
+
+    @property
+    def program(self) -> Program:
+        return self.runnable.program
+
+    @property
+    def traces(self) -> int:
+        """How many Dynamo traces reached the backend (1 unless a guard failed, e.g. a new dtype)."""
+        return len(self.runnables)
+
+    def report(self) -> list[dict[str, Any]]:
+        return [row for r in self.runnables for row in r.report()]
+
+
+def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), splitting_ops: Sequence[Any] = (),
+            dynamic_dims: Mapping[str, Any] | None = None, backend: Any = "inductor", on_miss: str = "error",
+            **options: Any) -> ShapewiseModule:
+    """Compile ``model`` once per size, dispatching by shape at run time.
+
+    >>> fast = shapewise.compile(model, sizes=[1, 2, 4, 8], ranges=[(9, 4096)], splitting_ops=["sdpa"])
+    >>> fast = shapewise.compile(model, dynamic_dims={"x": {0: "batch", 1: "seq"}},
+    ...                          sizes={"batch": [1, 2], "seq": [128, 256]})
+
+    ``dynamic_dims`` maps argument names to a dim, a list of dims, or {dim: name}; by default
+    dim 0 of every tensor argument. Options: ``options`` / ``static_options`` /
+    ``range_options`` (Inductor config), ``on_compile_error``, ``instruments``.
+    """
+    return ShapewiseModule(model, sizes=sizes, ranges=ranges, splitting_ops=splitting_ops, dynamic_dims=dynamic_dims,
+                           backend=backend, on_miss=on_miss, **options)

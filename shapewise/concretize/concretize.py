@@ -1,0 +1,311 @@
+"""Concretize: turn requested sizes into bindings, check them against the trace's guards,
+and build each piece's static example arguments (shape, stride, offset, storage length)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import sympy
+import torch
+
+from shapewise._compat import FakeTensorMode, node_value, storage_length
+from shapewise.concretize.analyze import AnalyzeShapes, evaluate
+from shapewise.errors import BindingError, ConfigError, GuardViolation
+from shapewise.passes.base import Pass, register_pass
+from shapewise.passes.program import Binding, Piece, Program, ShapeInfo, TensorMeta, Variant
+
+__all__ = ["Concretize", "check_binding", "example_args", "make_bindings", "primary_symbols"]
+
+INT_MAX = 2**63 - 1
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return tuple((k, _freeze(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _name_table(shapes: ShapeInfo) -> dict[str, list[sympy.Symbol]]:
+    table: dict[str, list[sympy.Symbol]] = {}
+    for s in shapes.symbols:
+        if s in shapes.names:
+            table.setdefault(shapes.names[s], []).append(s)
+    for s in shapes.symbols:
+        table.setdefault(str(s), [s])
+    return table
+
+
+def primary_symbols(shapes: ShapeInfo) -> list[sympy.Symbol]:
+    """The symbols a plain int size binds: every named symbol when one name is used;
+    otherwise the symbol of dim 0 of the first tensor input whose dim 0 is symbolic."""
+    named = sorted(set(shapes.names.get(s) for s in shapes.symbols if s in shapes.names))
+    if len(named) > 1:
+        raise BindingError(
+            f"the graph has several named dynamic dims {named}: give sizes as a dict "
+            f"{{name: [sizes]}} or a list of {{name: size}} bindings, not plain ints"
+        )
+    if named:
+        return [s for s in shapes.symbols if shapes.names.get(s) == named[0]]
+    for meta in shapes.inputs:
+        if isinstance(meta, TensorMeta) and meta.shape and isinstance(meta.shape[0], sympy.Symbol):
+            return [meta.shape[0]]
+    if shapes.symbols:
+        return [shapes.symbols[0]]
+    raise BindingError("the graph has no symbolic sizes: there is nothing to bind sizes to")
+
+
+def _resolve_names(shapes: ShapeInfo, mapping: Mapping[Any, Any], what: str) -> dict[sympy.Symbol, Any]:
+    table = _name_table(shapes)
+    out: dict[sympy.Symbol, Any] = {}
+    for name, value in mapping.items():
+        key = str(name)
+        if key not in table:
+            known = sorted(k for k in table if k in shapes.names.values()) or [str(s) for s in shapes.symbols]
+            raise BindingError(f"{what} names {key!r}, which is not a dynamic dim of the graph; known: {known}")
+        for s in table[key]:
+            out[s] = value
+    return out
+
+
+def _check_size(v: Any, what: str) -> int:
+    if not _is_int(v):
+        raise ConfigError(f"{what}: sizes must be ints, got {v!r} ({type(v).__name__})")
+    if v <= 0:
+        raise ConfigError(f"{what}: sizes must be >= 1, got {v}")
+    return v
+
+
+def _check_range(r: Any, what: str) -> tuple[int, int]:
+    if not (isinstance(r, (tuple, list)) and len(r) == 2):
+        raise ConfigError(f"{what}: a range is a (low, high) pair of ints, inclusive; got {r!r}")
+    lo, hi = _check_size(r[0], what), _check_size(r[1], what)
+    if lo > hi:
+        raise ConfigError(f"{what}: range ({lo}, {hi}) is empty: low must be <= high")
+    return lo, hi
+
+
+def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple[Binding, ...]:
+    """Bindings over every free symbol, from user ``sizes`` and ``ranges``.
+
+    - ints bind the primary symbol(s) (see ``primary_symbols``);
+    - ``{name: [sizes]}`` is a product; ``[{name: size}, ...]`` lists bindings;
+    - ranges likewise with inclusive ``(low, high)`` pairs.
+    Symbols nobody named stay at their traced value; named dims missing from a range span
+    their whole valid range. With neither sizes nor ranges: one general binding.
+    """
+    symbols = shapes.symbols
+    named = {s for s in symbols if s in shapes.names}
+
+    def full_range(s: sympy.Symbol) -> tuple[int, int]:
+        lo, hi = shapes.ranges.get(s, (None, None))
+        return max(1, lo or 1), hi if hi is not None else INT_MAX
+
+    def complete(partial: dict[sympy.Symbol, Any], ranged: bool, what: str) -> Binding:
+        items = []
+        for s in symbols:
+            if s in partial:
+                items.append((s, partial[s]))
+            elif s in named and not ranged:
+                raise BindingError(
+                    f"{what} does not bind the dynamic dim {shapes.name_of(s)!r}; "
+                    f"bind every named dim ({sorted(set(shapes.names.values()))})"
+                )
+            elif s in named or s not in shapes.hints:
+                items.append((s, full_range(s)))
+            else:
+                items.append((s, shapes.hints[s]))
+        return Binding(tuple(items))
+
+    out: list[Binding] = []
+    if sizes is None:
+        sizes = ()
+    if _is_int(sizes):
+        sizes = (sizes,)
+    if isinstance(sizes, Mapping):
+        resolved = _resolve_names(shapes, sizes, "sizes")
+        names = list(resolved)
+        lists = [[_check_size(v, f"sizes[{shapes.name_of(s)!r}]") for v in
+                  ((resolved[s],) if _is_int(resolved[s]) else resolved[s])] for s in names]
+        for combo in itertools.product(*lists):
+            out.append(complete(dict(zip(names, combo)), False, "sizes"))
+    else:
+        sizes = list(sizes)
+        if sizes and all(isinstance(b, Mapping) for b in sizes):
+            for b in sizes:
+                resolved = _resolve_names(shapes, b, "sizes")
+                out.append(complete({s: _check_size(v, "sizes") for s, v in resolved.items()}, False, "sizes"))
+        elif sizes:
+            prim = primary_symbols(shapes)
+            for v in sizes:
+                _check_size(v, "sizes")
+                out.append(complete({s: v for s in prim}, False, "sizes"))
+    dup = [b for i, b in enumerate(out) if b in out[:i]]
+    if dup:
+        raise ConfigError(f"sizes lists {dup[0].describe(shapes.names)} more than once; give each size once")
+
+    range_out: list[Binding] = []
+    if ranges is None:
+        ranges = ()
+    if isinstance(ranges, Mapping):
+        resolved = _resolve_names(shapes, ranges, "ranges")
+        names = list(resolved)
+        lists = []
+        for s in names:
+            v = resolved[s]
+            if isinstance(v, tuple) and len(v) == 2 and all(_is_int(x) for x in v):
+                v = [v]
+            lists.append([_check_range(r, f"ranges[{shapes.name_of(s)!r}]") for r in v])
+        for combo in itertools.product(*lists):
+            range_out.append(complete(dict(zip(names, combo)), True, "ranges"))
+    else:
+        ranges = list(ranges)
+        if ranges and all(isinstance(b, Mapping) for b in ranges):
+            for b in ranges:
+                resolved = _resolve_names(shapes, b, "ranges")
+                part = {s: (_check_size(v, "ranges") if _is_int(v) else _check_range(v, "ranges"))
+                        for s, v in resolved.items()}
+                range_out.append(complete(part, True, "ranges"))
+        elif ranges:
+            prim = primary_symbols(shapes)
+            for r in ranges:
+                r = _check_range(r, "ranges")
+                range_out.append(complete({s: r for s in prim}, True, "ranges"))
+    _check_overlap(range_out, shapes)
+    out.extend(range_out)
+    if not out:
+        out.append(complete({}, True, "the general binding"))
+    return tuple(out)
+
+
+def _check_overlap(bindings: Sequence[Binding], shapes: ShapeInfo) -> None:
+    for a, b in itertools.combinations(bindings, 2):
+        if all(lo1 <= hi2 and lo2 <= hi1 for (lo1, hi1), (lo2, hi2) in zip(a.bounds(), b.bounds())):
+            raise ConfigError(
+                f"ranges {a.describe(shapes.names)} and {b.describe(shapes.names)} overlap; "
+                "each run-time size must fall in at most one range"
+            )
+
+
+def check_binding(shapes: ShapeInfo, binding: Binding) -> None:
+    """Refuse a binding that contradicts the trace's guards or proven value ranges."""
+    for s, v in binding.items:
+        lo, hi = shapes.ranges.get(s, (None, None))
+        vlo, vhi = (v, v) if isinstance(v, int) else v
+        if (lo is not None and vlo < lo) or (hi is not None and vhi > hi):
+            raise GuardViolation(
+                f"size {shapes.name_of(s)}={v} is outside the range the trace allows for it "
+                f"[{lo}, {hi if hi is not None else 'inf'}]"
+            )
+    if not binding.is_static:
+        return
+    values = binding.static_values()
+    for guard, where in shapes.guards:
+        try:
+            ok = bool(sympy.sympify(guard).xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+        except TypeError:
+            continue  # not decidable from the bound symbols alone
+        if not ok:
+            named = str(guard)
+            for s in shapes.symbols:
+                named = named.replace(str(s), shapes.name_of(s)) if s in shapes.names else named
+            raise GuardViolation(
+                f"size {binding.describe(shapes.names)} contradicts the trace's guard `{named}`"
+                + (f" (from: {where})" if where else "")
+                + "; choose sizes that satisfy it"
+            )
+
+
+def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = None) -> tuple[Any, ...]:
+    """Example inputs for compiling ``piece`` under ``binding``.
+
+    Static: fake tensors with concrete shape/stride/offset on exactly the storage they need.
+    Ranges: the traced symbolic fake values.
+    """
+    if not binding.is_static:
+        return tuple(node_value(n) for n in piece.gm.graph.nodes if n.op == "placeholder")
+    values = binding.static_values()
+    mode = mode or FakeTensorMode()
+    out: list[Any] = []
+    for name, meta in zip(piece.shapes.input_names, piece.shapes.inputs):
+        try:
+            if isinstance(meta, TensorMeta):
+                shape = [evaluate(e, values) for e in meta.shape]
+                stride = [evaluate(e, values) for e in meta.stride]
+                offset = evaluate(meta.offset, values)
+                with mode:
+                    t = torch.empty(storage_length(shape, stride, offset), dtype=meta.dtype, device=meta.device)
+                    t = t.as_strided(shape, stride, offset)
+                    if meta.requires_grad:
+                        t.requires_grad_(True)
+                out.append(t)
+            elif isinstance(meta, sympy.Basic):
+                out.append(evaluate(meta, values))
+            else:
+                out.append(meta)
+        except KeyError as e:
+            raise BindingError(
+                f"piece {piece.name} input {name!r}: {e.args[0]}; a static variant needs every "
+                "size to follow from the dispatch symbols (data-dependent sizes cannot be specialised)"
+            ) from None
+    return tuple(out)
+
+
+@register_pass
+@dataclass(frozen=True)
+class Concretize(Pass):
+    """Bindings from sizes/ranges; per compute piece one ``Variant`` with static example args.
+
+    ``Concretize(sizes=(1, 8), ranges=((9, 512),))``; ``Concretize(sizes={"batch": [1, 2], "seq": [128]})``.
+    """
+
+    name: ClassVar[str] = "concretize"
+    sizes: Any = ()
+    ranges: Any = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sizes", _freeze(self.sizes) if not isinstance(self.sizes, Mapping) else self.sizes)
+        object.__setattr__(self, "ranges", _freeze(self.ranges) if not isinstance(self.ranges, Mapping) else self.ranges)
+
+    def requires(self, program: Program) -> Sequence[Pass]:
+        return _need_split_and_shapes(program)
+
+    def apply(self, program: Program) -> Program:
+        shapes = program.shapes
+        bindings = make_bindings(shapes, self.sizes, self.ranges)
+        for b in bindings:
+            check_binding(shapes, b)
+        return program.replace(bindings=bindings, pieces=attach_variants(program.pieces, bindings))
+
+
+def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding]) -> tuple[Piece, ...]:
+    """Give every compute piece one uncompiled variant per binding."""
+    out = []
+    modes = {b: FakeTensorMode() for b in bindings if b.is_static}
+    for p in pieces:
+        if p.is_splitting:
+            out.append(p)
+            continue
+        variants = tuple(Variant(b, example_args(p, b, modes.get(b))) for b in bindings)
+        out.append(dataclasses.replace(p, variants=variants))
+    return tuple(out)
+
+
+def _need_split_and_shapes(program: Program) -> list[Pass]:
+    from shapewise.graph_split.split import Split
+
+    needs: list[Pass] = []
+    if not program.is_split:
+        needs.append(Split())
+    if program.shapes is None or any(p.shapes is None for p in program.pieces):
+        needs.append(AnalyzeShapes())
+    return needs

@@ -1,0 +1,7 @@
+"""Splitting-op registry, the split plan, and the Split pass."""
+
+from shapewise.graph_split.registry import OpMatcher, register_alias, registered_aliases, resolve_ops
+from shapewise.graph_split.split import Split, SplitPlan, apply_plan, plan_split
+
+__all__ = ["OpMatcher", "Split", "SplitPlan", "apply_plan", "plan_split", "register_alias",
+           "registered_aliases", "resolve_ops"]

@@ -1,0 +1,74 @@
+"""The one canonical printer: graphs, shape info and programs as stable, readable text.
+Tests, dumps and notebooks all print through here."""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx
+
+from shapewise.passes.program import Program, ShapeInfo, TensorMeta
+
+__all__ = ["format_graph", "format_program", "format_shapes"]
+
+
+def format_graph(gm: torch.fx.GraphModule) -> str:
+    """The graph's Python code without blank lines and trailing spaces; ``self`` calls kept."""
+    code = gm.code
+    lines = [ln.rstrip() for ln in code.splitlines() if ln.strip()]
+    # Drop "x = None" bookkeeping: it is codegen detail, not meaning.
+    lines = [re.sub(r";\s+(\w+ = )+None$", "", ln) for ln in lines]
+    return "\n".join(lines)
+
+
+def _fmt_input(meta) -> str:
+    if isinstance(meta, TensorMeta):
+        shape = ", ".join(str(e) for e in meta.shape)
+        stride = ", ".join(str(e) for e in meta.stride)
+        dtype = str(meta.dtype).replace("torch.", "")
+        off = f" offset={meta.offset}" if meta.offset != 0 else ""
+        return f"{dtype}[{shape}] stride=({stride}){off}"
+    return f"sym {meta}" if hasattr(meta, "free_symbols") else repr(meta)
+
+
+def format_shapes(shapes: ShapeInfo) -> str:
+    lines = []
+    if shapes.symbols:
+        for s in shapes.symbols:
+            src = shapes.sources.get(s)
+            name = f" ({shapes.names[s]})" if s in shapes.names else ""
+            lo, hi = shapes.ranges.get(s, (None, None))
+            lines.append(
+                f"symbol {s}{name}: read from {src if src else 'derived'}; traced {shapes.hints.get(s)}; "
+                f"range [{lo}, {hi if hi is not None else 'inf'}]"
+            )
+    for name, meta in zip(shapes.input_names, shapes.inputs):
+        lines.append(f"input {name}: {_fmt_input(meta)}")
+    for g, _ in shapes.guards:
+        lines.append(f"guard {g}")
+    return "\n".join(lines)
+
+
+def format_program(program: Program) -> str:
+    """Pieces, shapes, bindings and the dispatch table of a program, as text."""
+    out = []
+    if program.shapes is not None:
+        out.append("# shapes\n" + format_shapes(program.shapes))
+    if program.bindings is not None:
+        names = program.shapes.names if program.shapes else {}
+        out.append("# bindings\n" + "\n".join(b.describe(names) for b in program.bindings))
+    if program.graph is not None:
+        out.append("# stitching graph\n" + format_graph(program.graph))
+        for p in program.pieces:
+            tag = " [splitting op, runs as is]" if p.is_splitting else ""
+            out.append(f"# {p.name}{tag}\n" + format_graph(p.gm))
+            if p.variants:
+                out.append("\n".join(
+                    f"#   variant {v.binding.describe(p.shapes.names if p.shapes else {})}: "
+                    + ("compiled" if v.compiled is not None else "not compiled")
+                    for v in p.variants))
+    else:
+        out.append("# graph\n" + format_graph(program.gm))
+    if program.dispatch is not None:
+        out.append("# dispatch\n" + "\n".join(f"{r['kind']:5} {r['key']}" for r in program.dispatch.rows()))
+    return "\n".join(out)
