@@ -104,6 +104,9 @@ def trace_guards(shape_env) -> list[tuple[sympy.Basic, str]]:
     return out
 
 
+__all__ += ["compute_required_storage_length", "make_symint", "range_guard_violations", "symbolic_env"]
+
+
 def storage_length(shape: Sequence[int], stride: Sequence[int], offset: int) -> int:
     """Exact number of storage elements a strided view needs."""
     return int(compute_required_storage_length(tuple(shape), tuple(stride), int(offset)))
@@ -119,25 +122,64 @@ def no_zero_one_specialisation() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fresh_tracing_context() -> Iterator[None]:
+def fresh_tracing_context(fake_mode: FakeTensorMode | None = None) -> Iterator[None]:
     """Leave any surrounding Dynamo tracing context, so a compile sees only its own inputs.
 
     ``compile_fx`` and AOTAutograd look up the active context's fake mode; inside a Dynamo
-    backend that is Dynamo's (symbolic) one, which would make a "static" compile dynamic.
+    backend that is Dynamo's (symbolic) one, which would make a "static" compile dynamic and
+    let the compile's guards leak into Dynamo's. With ``fake_mode``, that mode's context.
     """
-    from torch._guards import tracing
+    from torch._guards import TracingContext, tracing
 
-    with tracing(None):
+    with tracing(TracingContext(fake_mode) if fake_mode is not None else None):
         yield
 
 
-def standalone_compile(gm: torch.fx.GraphModule, args: list[Any], *, static: bool,
-                       options: dict[str, Any] | None = None):
-    """Inductor compile of ``gm``: fully static from ``args`` or dynamic from the graph."""
-    from torch._inductor import standalone_compile as _sc
+def symbolic_env(symbols: dict[sympy.Symbol, tuple[int, int, int]]):
+    """A fresh ShapeEnv + FakeTensorMode with one backed symbol per entry of
+    ``{old symbol: (low, high, hint)}``; returns (mode, {old symbol: new sympy symbol})."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
-    mode = "from_example_inputs" if static else "from_graph"
-    return _sc(gm, args, dynamic_shapes=mode, options=dict(options or {}))
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    new = {}
+    for old, (lo, hi, hint) in symbols.items():
+        e = env.create_symbol(hint, ConstantSource(f"shapewise_{old}"), dynamic_dim=DimDynamic.DYNAMIC,
+                              do_not_specialize_zero_one=True)
+        env.constrain_symbol_range(e, compiler_min=lo, compiler_max=hi)
+        new[old] = e
+    return mode, new
+
+
+def make_symint(mode: FakeTensorMode, expr: sympy.Expr, hint: int) -> Any:
+    """A SymInt (or int, if constant) for ``expr`` over ``mode``'s symbols."""
+    if not expr.free_symbols:
+        return int(expr)
+    return mode.shape_env.create_symintnode(expr, hint=hint)
+
+
+def range_guard_violations(mode: FakeTensorMode) -> list[str]:
+    """Guards a compile added to ``mode``'s ShapeEnv that do not hold at every corner of
+    the symbols' ranges (e.g. a compile that specialised a ranged size to its hint)."""
+    env = mode.shape_env
+    if env is None:
+        return []
+    corners: list[dict[sympy.Symbol, int]] = [{}]
+    for sym, vr in env.var_to_range.items():
+        vals = {int(b) for b in (vr.lower, vr.upper) if sympy.sympify(b).is_Integer}
+        corners = [{**c, sym: v} for c in corners for v in vals] or corners
+    bad = []
+    for g in env.guards:
+        for c in corners:
+            try:
+                ok = bool(g.expr.xreplace({k: sympy.Integer(v) for k, v in c.items()}))
+            except TypeError:
+                continue
+            if not ok:
+                bad.append(f"{g.expr} fails at {c}")
+                break
+    return bad
 
 
 def compiled_source(fn: Any) -> str | None:
@@ -179,15 +221,10 @@ def aot_eager(gm: torch.fx.GraphModule, args: list[Any]):
     return _aot_eager(gm, args)
 
 
-@contextlib.contextmanager
-def unwrap_backend_errors(kinds: type[BaseException] | tuple[type[BaseException], ...]) -> Iterator[None]:
-    """Re-raise our own errors that Dynamo wrapped in ``BackendCompilerFailed`` as themselves."""
+def backend_error_cause(e: BaseException) -> BaseException | None:
+    """The exception a Dynamo backend raised, if ``e`` is Dynamo's wrapper around one."""
     from torch._dynamo.exc import BackendCompilerFailed
 
-    try:
-        yield
-    except BackendCompilerFailed as e:
-        inner = getattr(e, "inner_exception", None) or e.__cause__
-        if isinstance(inner, kinds):
-            raise inner.with_traceback(None) from None
-        raise
+    if isinstance(e, BackendCompilerFailed):
+        return getattr(e, "inner_exception", None) or e.__cause__
+    return None

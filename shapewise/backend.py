@@ -166,14 +166,29 @@ class ShapewiseModule:
         return runnable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.runnables:
-            with self._lock:
-                if not self.runnables:
-                    self._mark(args, kwargs)
-                    with _compat.no_zero_one_specialisation(), _compat.unwrap_backend_errors(ShapewiseError):
-                        return self._compiled(*args, **kwargs)
-        with _compat.unwrap_backend_errors(ShapewiseError):
-            return self._compiled(*args, **kwargs)
+        try:
+            if self.runnables:
+                return self._compiled(*args, **kwargs)
+            return self._first_call(args, kwargs)
+        except Exception as e:
+            inner = _compat.backend_error_cause(e)
+            if isinstance(inner, ShapewiseError):
+                raise inner.with_traceback(None) from None
+            raise
+
+    def _first_call(self, args: tuple, kwargs: dict) -> Any:
+        with self._lock:
+            if self.runnables:
+                return self._compiled(*args, **kwargs)
+            self._mark(args, kwargs)
+            with _compat.no_zero_one_specialisation():
+                out = self._compiled(*args, **kwargs)
+            if not self.runnables:
+                raise ShapewiseError(
+                    "Dynamo ran the model without handing a graph to shapewise (its recompile limit for "
+                    "this function may be reached: torch._dynamo.config.cache_size_limit); nothing was compiled"
+                )
+            return out
 
     # -- inspection ----------------------------------------------------------------------
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -12,7 +13,8 @@ from typing import Any, ClassVar
 import sympy
 import torch
 
-from shapewise._compat import FakeTensorMode, node_value, storage_length
+from shapewise import _compat
+from shapewise._compat import FakeTensorMode, storage_length
 from shapewise.concretize.analyze import AnalyzeShapes, evaluate
 from shapewise.errors import BindingError, ConfigError, GuardViolation
 from shapewise.passes.base import Pass, register_pass
@@ -225,39 +227,71 @@ def check_binding(shapes: ShapeInfo, binding: Binding) -> None:
             )
 
 
-def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = None) -> tuple[Any, ...]:
-    """Example inputs for compiling ``piece`` under ``binding``.
+def _range_hint(lo: int, hi: int, traced: int | None) -> int:
+    """A representative value to trace a range with: the traced size if it lies inside,
+    else the geometric middle; never 0 or 1 (they would be specialised)."""
+    if traced is not None and lo <= traced <= hi and traced >= 2:
+        return traced
+    mid = int(math.sqrt(max(lo, 2) * min(hi, 8192)))
+    return min(max(mid, lo, 2), hi)
 
-    Static: fake tensors with concrete shape/stride/offset on exactly the storage they need.
-    Ranges: the traced symbolic fake values.
-    """
-    if not binding.is_static:
-        return tuple(node_value(n) for n in piece.gm.graph.nodes if n.op == "placeholder")
-    values = binding.static_values()
-    mode = mode or FakeTensorMode()
+
+def _materialise(piece: Piece, mode: FakeTensorMode, exprs: Mapping[sympy.Symbol, Any],
+                 values: Mapping[sympy.Symbol, int], symbolic: bool) -> tuple[Any, ...]:
+    """Fake inputs for ``piece`` with every symbol replaced by ``exprs`` (ints or new symbols)."""
     out: list[Any] = []
+
+    def conv(e: Any) -> Any:
+        if symbolic:
+            return _compat.make_symint(mode, sympy.sympify(e).xreplace(exprs), evaluate(e, values))
+        return evaluate(e, values)
+
     for name, meta in zip(piece.shapes.input_names, piece.shapes.inputs):
         try:
             if isinstance(meta, TensorMeta):
-                shape = [evaluate(e, values) for e in meta.shape]
-                stride = [evaluate(e, values) for e in meta.stride]
-                offset = evaluate(meta.offset, values)
+                shape = [conv(e) for e in meta.shape]
+                stride = [conv(e) for e in meta.stride]
+                offset = conv(meta.offset)
                 with mode:
-                    t = torch.empty(storage_length(shape, stride, offset), dtype=meta.dtype, device=meta.device)
-                    t = t.as_strided(shape, stride, offset)
+                    if symbolic and offset == 0:
+                        t = torch.empty_strided(shape, stride, dtype=meta.dtype, device=meta.device)
+                    else:
+                        length = storage_length(shape, stride, offset) if not symbolic else \
+                            _compat.compute_required_storage_length(shape, stride, offset)
+                        t = torch.empty(length, dtype=meta.dtype, device=meta.device).as_strided(shape, stride, offset)
                     if meta.requires_grad:
                         t.requires_grad_(True)
                 out.append(t)
             elif isinstance(meta, sympy.Basic):
-                out.append(evaluate(meta, values))
+                out.append(conv(meta))
             else:
                 out.append(meta)
         except KeyError as e:
             raise BindingError(
-                f"piece {piece.name} input {name!r}: {e.args[0]}; a static variant needs every "
-                "size to follow from the dispatch symbols (data-dependent sizes cannot be specialised)"
+                f"piece {piece.name} input {name!r}: {e.args[0]}; a variant needs every size to "
+                "follow from the dispatch symbols (data-dependent sizes cannot be specialised)"
             ) from None
     return tuple(out)
+
+
+def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = None) -> tuple[Any, ...]:
+    """Example inputs for compiling ``piece`` under ``binding``.
+
+    Static: fake tensors with concrete shape/stride/offset on exactly the storage they need.
+    Ranges: fake tensors over a fresh ShapeEnv whose symbols carry the range as bounds (so a
+    compile can neither add guards to the trace nor assume the traced size).
+    """
+    if binding.is_static:
+        values = binding.static_values()
+        return _materialise(piece, mode or FakeTensorMode(), values, values, symbolic=False)
+    hints = piece.shapes.hints
+    ranged = {s: (v[0], v[1], _range_hint(v[0], v[1], hints.get(s))) for s, v in binding.items
+              if not isinstance(v, int)}
+    mode, new = _compat.symbolic_env(ranged)
+    static = binding.static_values()
+    exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}
+    values = {**static, **{s: h for s, (_, _, h) in ranged.items()}}
+    return _materialise(piece, mode, exprs, values, symbolic=True)
 
 
 @register_pass

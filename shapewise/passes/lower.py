@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 import torch.fx
 
 from shapewise import _compat
@@ -29,18 +30,42 @@ def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
 
 
+def _fake_mode_of(args: list[Any]):
+    for a in args:
+        mode = getattr(a, "fake_mode", None)
+        if mode is not None:
+            return mode
+        if isinstance(a, torch.SymInt):
+            return _compat.FakeTensorMode(shape_env=a.node.shape_env)
+    return None
+
+
 def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping[str, Any]) -> Callable[..., Any]:
-    """Compile one (piece, variant) and return a callable taking the piece's inputs positionally."""
+    """Compile one (piece, variant) and return a callable taking the piece's inputs positionally.
+
+    Static variants compile from concrete fake inputs in no tracing context; range variants in
+    the context of their own fresh ShapeEnv (see ``concretize.example_args``).
+    """
     static = variant.binding.is_static
     args = list(variant.example_args)
     if backend == "eager":
         return piece.gm.forward
-    with _compat.fresh_tracing_context():
+    mode = None if static else _fake_mode_of(args)
+    with _compat.fresh_tracing_context(mode):
         if backend == "inductor":
-            return _compat.standalone_compile(_copy_gm(piece.gm), args, static=static, options=options)
-        if backend == "aot_eager":
-            return _compat.aot_eager(_copy_gm(piece.gm), args)
-        return backend(_copy_gm(piece.gm), args)
+            fn = _compat.standalone_compile(_copy_gm(piece.gm), args, static=static, options=options)
+        elif backend == "aot_eager":
+            fn = _compat.aot_eager(_copy_gm(piece.gm), args)
+        else:
+            fn = backend(_copy_gm(piece.gm), args)
+    if mode is not None:
+        bad = _compat.range_guard_violations(mode)
+        if bad:
+            raise CompileError(
+                f"the compile of {piece.name} for range {variant.binding} assumed something that does not "
+                f"hold over the whole range: {'; '.join(bad)}; split the range or compile those sizes statically"
+            )
+    return fn
 
 
 @register_pass
