@@ -211,8 +211,11 @@ def dynamo_unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def mark_dynamic(t: torch.Tensor, dim: int) -> None:
-    torch._dynamo.mark_dynamic(t, dim)
+def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
+    if strict:
+        torch._dynamo.mark_dynamic(t, dim)
+    else:
+        torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def aot_eager(gm: torch.fx.GraphModule, args: list[Any]):

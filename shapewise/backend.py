@@ -144,7 +144,9 @@ class ShapewiseModule:
             for d in spec:
                 if not -value.dim() <= d < value.dim():
                     raise ConfigError(f"dynamic_dims names dim {d} of {arg!r}, which has {value.dim()} dims")
-                _compat.mark_dynamic(value, d % value.dim())
+                # Dims the user named must stay dynamic (Dynamo errors if the model fixes them);
+                # the default (dim 0 of every tensor) only where the model lets it vary.
+                _compat.mark_dynamic(value, d % value.dim(), strict=self._dims is not None)
         self._arg_dims = {a: {d % bound.arguments[a].dim(): n for d, n in s.items()} for a, s in dims.items()}
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Runnable:

@@ -21,7 +21,7 @@ ATTENTION_OUT_OP = "shapewise_toy::attention_out"
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over ``[T, H, D]`` tokens of one sequence (a stand-in for a real kernel)."""
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    return out.transpose(0, 1).contiguous()
+    return torch.empty_like(q).copy_(out.transpose(0, 1))  # the layout the fake kernel promises
 
 
 @attention.register_fake

@@ -110,9 +110,10 @@ class Pass:
         return ()
 
     def __call__(self, program: Program | torch.fx.GraphModule) -> Program:
+        """Run this pass (and, first, whatever it needs that the program lacks)."""
         if isinstance(program, torch.fx.GraphModule):
             program = Program(gm=program)
-        return self.apply(program)
+        return Pipeline([self]).apply(program)
 
     def spec(self) -> str:
         fields = []

@@ -1,0 +1,136 @@
+"""AnalyzeShapes and Concretize: symbols, sources, guards, bindings, static example args."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+import torch
+
+import shapewise as sw
+from shapewise.concretize import make_bindings
+from shapewise.passes.program import SymbolSource, TensorMeta
+from tests.helpers import dynamo_graph, symbolic_graph
+
+
+def derived(x):
+    y = torch.cat([x, x, x[:1]])  # 2*s + 1
+    return y.view(-1, 2, x.shape[1]) if False else y * 2, x.view(-1, 2, x.shape[1]).sum(1)  # needs even s
+
+
+def test_sources_for_symint_and_tensor_dims():
+    gm = dynamo_graph(derived, torch.randn(6, 4))
+    program = sw.AnalyzeShapes()(gm)
+    shapes = program.shapes
+    assert len(shapes.symbols) == 1
+    (s,) = shapes.symbols
+    # Dynamo passes the size as a SymInt argument.
+    assert shapes.sources[s].kind == "int"
+    assert shapes.hints[s] == 6
+
+
+def test_symbolic_graph_reads_sizes_from_tensors():
+    gm = symbolic_graph(lambda x, y: x.sum(0) + y, torch.randn(5, 3), torch.randn(3))
+    shapes = sw.AnalyzeShapes()(gm).shapes
+    s0, s1 = shapes.symbols
+    assert shapes.sources[s0] == SymbolSource("size", 0, 0)
+    assert shapes.sources[s1] == SymbolSource("size", 0, 1)
+
+
+def test_guard_refuses_odd_size_before_compiling():
+    gm = dynamo_graph(derived, torch.randn(6, 4))
+    compiled = []
+
+    def backend(g, args):
+        compiled.append(g)
+        return g.forward
+
+    pipe = sw.Pipeline([sw.Concretize(sizes=[2, 4, 5]), sw.Lower(backend=backend)])
+    with pytest.raises(sw.GuardViolation, match=r"size \{s\d+=5\} contradicts the trace's guard") as err:
+        pipe.run(gm)
+    assert "Mod" in str(err.value)
+    assert compiled == []  # nothing compiled
+    assert "concretize" in "".join(getattr(err.value, "__notes__", []))
+
+
+def test_derived_and_strided_example_args():
+    def f(x):
+        y = torch.cat([x, x, x[:1]])  # [2s+1, 4]
+        v = y.t()[:, 1::2]  # non-contiguous, offset 1, FloorDiv size
+        a = torch.ops.shapewise_toy.attention(x[None], x[None], x[None])
+        return v * 2, a
+
+    gm = dynamo_graph(f, torch.randn(6, 4))
+    program = sw.Concretize(sizes=[3, 8])(sw.Split(ops=["shapewise_toy::attention"])(gm))
+    last = program.pieces[-1]
+    for variant in last.variants:
+        n = variant.binding.key[0]
+        y = torch.cat([torch.randn(n, 4)] * 2 + [torch.randn(1, 4)])
+        v = y.t()[:, 1::2]
+        (arg,) = [a for a in variant.example_args if isinstance(a, torch.Tensor)]
+        assert tuple(arg.shape) == tuple(v.shape)
+        assert arg.stride() == v.stride()
+        assert arg.storage_offset() == v.storage_offset()
+        assert arg.untyped_storage().nbytes() // arg.element_size() == v.storage_offset() + 1 + sum(
+            (s - 1) * st for s, st in zip(v.shape, v.stride()))
+
+
+def test_two_symbols_product_and_list_of_bindings():
+    gm = dynamo_graph(lambda x: (x * 2).sum(1), torch.randn(3, 5), dims={0: [0, 1]})
+    shapes = sw.AnalyzeShapes()(gm).shapes
+    a, b = shapes.symbols
+    by_product = make_bindings(shapes, {str(a): [1, 2], str(b): [16, 32]})
+    assert [bd.key for bd in by_product] == [(1, 16), (1, 32), (2, 16), (2, 32)]
+    listed = make_bindings(shapes, [{str(a): 4, str(b): 8}])
+    assert listed[0].key == (4, 8)
+    with pytest.raises(sw.BindingError, match="not a dynamic dim"):
+        make_bindings(shapes, {"nope": [1]})
+
+
+def test_plain_ints_bind_dim0_of_first_tensor_and_leave_others_at_trace_value():
+    gm = symbolic_graph(lambda x, w: x @ w, torch.randn(5, 3), torch.randn(3, 7))
+    shapes = sw.AnalyzeShapes()(gm).shapes
+    (binding,) = make_bindings(shapes, [9])
+    values = dict(binding.items)
+    s0 = shapes.inputs[0].shape[0]
+    assert values[s0] == 9
+    assert sorted(v for s, v in values.items() if s != s0) == [3, 7]
+
+
+@pytest.mark.parametrize(
+    "sizes, ranges, fragment",
+    [
+        ([0], (), "sizes must be >= 1"),
+        ([2, 2], (), "more than once"),
+        (["8"], (), "must be ints"),
+        ((), [(10, 5)], "is empty"),
+        ((), [(1, 10), (10, 20)], "overlap"),
+        ((), [(1, 2, 3)], "a range is a"),
+    ],
+)
+def test_bad_sizes_and_ranges(sizes, ranges, fragment):
+    gm = dynamo_graph(lambda x: x * 2, torch.randn(4, 3))
+    with pytest.raises(sw.ConfigError, match=fragment):
+        sw.Concretize(sizes=sizes, ranges=ranges)(gm)
+
+
+def test_range_variant_keeps_symbolic_args_in_a_fresh_shape_env():
+    gm = dynamo_graph(lambda x: x * 2, torch.randn(4, 3))
+    program = sw.Concretize(sizes=[2], ranges=[(3, 100)])(gm)
+    static, ranged = program.pieces[0].variants
+    (t,) = [a for a in static.example_args if isinstance(a, torch.Tensor)]
+    assert isinstance(t.shape[0], int)
+    (r,) = [a for a in ranged.example_args if isinstance(a, torch.Tensor)]
+    assert isinstance(r.shape[0], torch.SymInt)
+    env = r.shape[0].node.shape_env
+    (sym,) = r.shape[0].node.expr.free_symbols
+    assert (int(env.var_to_range[sym].lower), int(env.var_to_range[sym].upper)) == (3, 100)
+    trace_env = next(n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"
+                     and isinstance(n.meta["example_value"], torch.SymInt)).node.shape_env
+    assert env is not trace_env
+
+
+def test_tensor_meta_records_layout():
+    gm = symbolic_graph(lambda x: x + 1, torch.randn(4, 6)[:, ::2])
+    (meta,) = sw.AnalyzeShapes()(gm).shapes.inputs
+    assert isinstance(meta, TensorMeta)
+    assert all(isinstance(e, sympy.Basic) for e in meta.shape + meta.stride)
