@@ -182,11 +182,43 @@ def range_guard_violations(mode: FakeTensorMode) -> list[str]:
     return bad
 
 
+def standalone_compile(gm: torch.fx.GraphModule, args: list[Any], *, static: bool,
+                       options: dict[str, Any] | None = None):
+    """Inductor compile of ``gm``: fully static from concrete ``args``, or symbolic from the
+    active tracing context (see ``fresh_tracing_context(fake_mode)``)."""
+    from torch._inductor import standalone_compile as _sc
+
+    mode = "from_example_inputs" if static else "from_tracing_context"
+    # standalone_compile forwards `options` to compile_fx as keyword arguments: Inductor
+    # config (max_autotune, ...) goes in as compile_fx's config_patches.
+    return _sc(gm, args, dynamic_shapes=mode, options={"config_patches": dict(options)} if options else {})
+
+
 def compiled_source(fn: Any) -> str | None:
-    """The Python wrapper code Inductor generated for a compiled artifact, if it kept it."""
-    inner = getattr(fn, "_compiled_fn", fn)
-    src = getattr(inner, "source_code", None)
-    return src if isinstance(src, str) else None
+    """The Python wrapper code Inductor generated for a compiled artifact (forward and, for
+    training graphs, backward, joined), found by walking the artifact's wrappers."""
+    found: list[str] = []
+    seen: set[int] = set()
+    todo = [(fn, 0)]
+    while todo:
+        obj, depth = todo.pop(0)
+        if obj is None or id(obj) in seen or depth > 8:
+            continue
+        seen.add(id(obj))
+        src = getattr(obj, "source_code", None)
+        if isinstance(src, str) and src not in found:
+            found.append(src)
+        for attr in ("_compiled_fn", "compiled_fn", "fn", "__wrapped__", "compiled_fw", "compiled_bw"):
+            try:
+                todo.append((getattr(obj, attr, None), depth + 1))
+            except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
+                continue
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                todo.append((cell.cell_contents, depth + 1))
+            except ValueError:
+                continue
+    return "\n".join(found) if found else None
 
 
 def placeholder_source(node: torch.fx.Node):

@@ -44,6 +44,7 @@ def assert_same(actual, expected, what: str = "") -> None:
 def _fresh_dynamo():
     """Each test starts with empty Dynamo caches and counters (trace counts are per test)."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -51,7 +52,8 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     if backend == "eager":
         return piece.gm.forward
     mode = None if static else _fake_mode_of(args)
-    with _compat.fresh_tracing_context(mode):
+    oblivious = _compat.no_zero_one_specialisation() if mode is not None else contextlib.nullcontext()
+    with _compat.fresh_tracing_context(mode), oblivious:
         if backend == "inductor":
             fn = _compat.standalone_compile(_copy_gm(piece.gm), args, static=static, options=options)
         elif backend == "aot_eager":

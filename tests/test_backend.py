@@ -1,0 +1,128 @@
+"""shapewise.compile and the "shapewise" torch.compile backend, end to end (eager/aot_eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shapewise as sw
+from shapewise._compat import dynamo_unique_graphs
+from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, MLP, ToyTransformer
+from tests.conftest import assert_same
+
+
+@pytest.mark.parametrize("first", [1, 33])
+def test_mlp_one_trace_every_size_size_one_included(first):
+    model = MLP()
+    fast = sw.compile(model, sizes=[1, 2, 4, 8], ranges=[(9, 64)], backend="aot_eager")
+    for n in (first, 1, 2, 4, 8, 9, 33, 64):
+        x = torch.randn(n, 32)
+        assert_same(fast(x), model(x), f"n={n}")
+    assert dynamo_unique_graphs() == 1  # torch's own count
+    assert fast.traces == 1
+    rows = fast.report()
+    assert [r["key"] for r in rows] == ["{n=1}", "{n=2}", "{n=4}", "{n=8}", "{n=9..64}"]
+    assert [r["static"] for r in rows] == [True] * 4 + [False]
+    assert all(r["source"] == "compiled" and r["seconds"] >= 0 for r in rows)
+
+
+@pytest.mark.parametrize("op, out_variant", [(ATTENTION_OP, False), (ATTENTION_OUT_OP, True)])
+def test_toy_transformer_split_at_custom_attention(op, out_variant):
+    model = ToyTransformer(layers=2, out_variant=out_variant)
+    fast = sw.compile(model, sizes=[1, 2, 16], ranges=[(17, 128)], splitting_ops=[op], backend="aot_eager")
+    for n in (16, 1, 2, 17, 100, 128):
+        ids = torch.randint(0, 64, (n,))
+        assert_same(fast(ids), model(ids), f"n={n}")
+    assert dynamo_unique_graphs() == 1
+    program = fast.program
+    assert [p.is_splitting for p in program.pieces] == [False, True, False, True, False]
+    assert len(fast.report()) == 3 * 4  # 3 compute pieces x 4 variants
+
+
+def test_dynamic_dims_by_keyword_and_extra_kwargs():
+    class HFLike(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.proj = nn.Linear(16, 50)
+
+        def forward(self, input_ids, attention_mask=None, use_cache=True):
+            h = self.embed(input_ids)
+            if attention_mask is not None:
+                h = h * attention_mask[..., None]
+            return self.proj(h).log_softmax(-1)
+
+    model = HFLike()
+    fast = sw.compile(model, dynamic_dims={"input_ids": 1}, sizes=[1, 16], ranges=[(17, 512)], backend="eager")
+    for seq in (16, 1, 200):
+        ids = torch.randint(0, 50, (2, seq))
+        assert_same(fast(input_ids=ids, use_cache=False), model(input_ids=ids, use_cache=False))
+    assert fast.traces == 1
+
+
+def test_two_named_dims_product_of_sizes():
+    def f(x):
+        return (x.softmax(-1) * 2).sum(0)
+
+    fast = sw.compile(f, dynamic_dims={"x": {0: "batch", 1: "seq"}},
+                      sizes={"batch": [1, 2, 4], "seq": [128, 256]}, backend="aot_eager")
+    for b in (1, 2, 4):
+        for s in (128, 256):
+            x = torch.randn(b, s)
+            assert_same(fast(x), f(x))
+    assert fast.traces == 1 and dynamo_unique_graphs() == 1
+    keys = [r["key"] for r in fast.report()]
+    assert keys[0] == "{batch=1, seq=128}" and len(keys) == 6
+    with pytest.raises(sw.DispatchMiss, match=r"\{batch=3, seq=128\}"):
+        fast(torch.randn(3, 128))
+
+
+def test_guard_violation_names_size_and_guard():
+    def pairs(x):
+        return x.view(-1, 2, x.shape[1]).sum(1)
+
+    fast = sw.compile(pairs, sizes=[2, 4, 6, 7], backend="eager")
+    with pytest.raises(sw.GuardViolation, match=r"size \{n=7\} contradicts the trace's guard `.*Mod"):
+        fast(torch.randn(4, 3))
+
+
+def test_miss_names_size_sizes_and_ranges():
+    fast = sw.compile(MLP(), sizes=[1, 2], ranges=[(8, 16)], backend="eager")
+    fast(torch.randn(2, 32))
+    with pytest.raises(sw.DispatchMiss, match=r"size \{n=5\}: compiled sizes: \{n=1\}, \{n=2\}; ranges: \{n=8\.\.16\}"):
+        fast(torch.randn(5, 32))
+
+
+def test_on_miss_eager_and_dynamic():
+    model = MLP()
+    for policy in ("eager", "dynamic"):
+        fast = sw.compile(model, sizes=[2], on_miss=policy, backend="aot_eager")
+        for n in (2, 5, 7):
+            x = torch.randn(n, 32)
+            assert_same(fast(x), model(x))
+        assert fast.traces == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(dynamic_dims={"y": 0}), "not an argument"),
+        (dict(splitting_ops=["nope::op"]), "unknown splitting op"),
+        (dict(backend="tvm"), "unknown backend"),
+        (dict(on_miss="pad"), "on_miss"),
+        (dict(bogus=1), "unknown option"),
+    ],
+)
+def test_configuration_errors_up_front(kwargs, fragment):
+    with pytest.raises(sw.ConfigError, match=fragment):
+        sw.compile(MLP(), sizes=[1], **kwargs)
+
+
+def test_torch_compile_backend_entry_point():
+    model = MLP()
+    compiled = torch.compile(model, backend="shapewise", dynamic=True,
+                             options={"sizes": [3, 8], "ranges": [(9, 64)], "backend": "eager"})
+    for n in (3, 8, 20):
+        x = torch.randn(n, 32)
+        assert_same(compiled(x), model(x))
