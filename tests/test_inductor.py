@@ -46,17 +46,22 @@ def test_static_variants_have_no_symbolic_sizes_and_ranges_do():
     assert seen_static == 2 * 2 and seen_range == 2
 
 
-def test_static_options_reach_single_sizes_only():
+def test_static_options_reach_the_static_compile():
     def f(x):
         return torch.nn.functional.gelu(x @ x.t()).sum(0)
 
-    # size_asserts=False drops Inductor's assert_size_stride from the generated code: visible proof
-    # that the option reached the static compile and not the range compile.
-    r = sw.compile(f, sizes=[3], ranges=[(4, 16)], backend="inductor", static_options={"size_asserts": False})
+    # Static code checks its input layout with assert_size_stride(...) unless size_asserts=False:
+    # visible proof in the generated code that the option reached the static compile.
+    plain = sw.compile(f, sizes=[3], backend="inductor")
+    tuned = sw.compile(f, sizes=[3], ranges=[(4, 16)], backend="inductor", static_options={"size_asserts": False})
     with torch.no_grad():
         for n in (3, 9):
             x = torch.randn(n, 8)
-            assert_same(r(x), f(x))
-    static, ranged = r.program.pieces[0].variants
-    assert "assert_size_stride" not in compiled_source(static.compiled)
-    assert "assert_size_stride" in compiled_source(ranged.compiled)
+            assert_same(tuned(x), f(x))
+        plain(torch.randn(3, 8))
+    assert "assert_size_stride(arg" in compiled_source(plain.program.pieces[0].variants[0].compiled)
+    static, ranged = tuned.program.pieces[0].variants
+    assert "assert_size_stride(arg" not in compiled_source(static.compiled)
+    lower = tuned.program.lowering
+    assert lower.options_for(static.binding) == {"size_asserts": False}
+    assert lower.options_for(ranged.binding) == {}
