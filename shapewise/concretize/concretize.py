@@ -307,6 +307,8 @@ class Concretize(Pass):
     ranges: Any = ()
 
     def __post_init__(self) -> None:
+        if _is_int(self.sizes):
+            object.__setattr__(self, "sizes", (self.sizes,))
         object.__setattr__(self, "sizes", _freeze(self.sizes) if not isinstance(self.sizes, Mapping) else self.sizes)
         object.__setattr__(self, "ranges", _freeze(self.ranges) if not isinstance(self.ranges, Mapping) else self.ranges)
 
