@@ -64,7 +64,8 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
     opts = {**dict(options or {}), **kwargs}
     unknown = set(opts) - _PIPELINE_KEYS - {"on_miss", "symbol_names"}
     if unknown:
-        raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {sorted(_PIPELINE_KEYS | {'on_miss', 'symbol_names'})}")
+        known = sorted(_PIPELINE_KEYS | {"on_miss", "symbol_names"})
+        raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {known}")
     names = dict(opts.pop("symbol_names", {}) or {})
     on_miss = opts.pop("on_miss", "error")
     program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss)

@@ -12,7 +12,7 @@ import sympy
 import torch
 import torch.fx
 
-from shapewise._compat import node_value, shape_env_of, symbol_hints, sym_expr, trace_guards, value_range
+from shapewise._compat import node_value, shape_env_of, sym_expr, symbol_hints, trace_guards, value_range
 from shapewise.passes.base import Pass, register_pass
 from shapewise.passes.program import Program, ShapeInfo, SymbolSource, TensorMeta
 

@@ -310,7 +310,8 @@ class Concretize(Pass):
         if _is_int(self.sizes):
             object.__setattr__(self, "sizes", (self.sizes,))
         object.__setattr__(self, "sizes", _freeze(self.sizes) if not isinstance(self.sizes, Mapping) else self.sizes)
-        object.__setattr__(self, "ranges", _freeze(self.ranges) if not isinstance(self.ranges, Mapping) else self.ranges)
+        ranges = self.ranges
+        object.__setattr__(self, "ranges", ranges if isinstance(ranges, Mapping) else _freeze(ranges))
 
     def requires(self, program: Program) -> Sequence[Pass]:
         return _need_split_and_shapes(program)

@@ -73,6 +73,16 @@ class DispatchTable:
                     raise ConfigError(f"range {binding.describe(self.names)} overlaps another range")
                 self._cells[cell] = runner
 
+    def with_exact(self, overrides: Mapping[tuple, Callable[..., Any]]) -> DispatchTable:
+        """A copy of this table whose exact dict has ``overrides`` added (ranges unchanged)."""
+        import copy
+
+        new = copy.copy(self)
+        new.exact = {**self.exact, **overrides}
+        new.static_keys = tuple(dict.fromkeys((*self.static_keys, *overrides)))
+        new._lock = threading.Lock()
+        return new
+
     def describe_key(self, key: tuple) -> str:
         return "{" + ", ".join(f"{self.names.get(s, str(s))}={v}" for s, v in zip(self.symbols, key)) + "}"
 

@@ -131,7 +131,7 @@ def plan_split(gm: torch.fx.GraphModule, matchers: Sequence[OpMatcher]) -> Split
             kinds[i] = True
     renumber: list[int] = []
     merged_kinds: list[bool] = []
-    for i, is_split in enumerate(kinds):
+    for is_split in kinds:
         if not (is_split and merged_kinds and merged_kinds[-1]):
             merged_kinds.append(is_split)
         renumber.append(len(merged_kinds) - 1)

@@ -248,6 +248,8 @@ class Pipeline(Pass):
 
         program = gm if isinstance(gm, Program) else Program(gm=gm)
         records: list[PassRecord] = []
-        with_dispatch = Pipeline((*self.passes, BuildDispatch()), self.instruments)
-        with_dispatch.trace(program, records)
+        self.trace(program, records)
+        if not records or records[-1].program.dispatch is None:
+            last = records[-1].program if records else program
+            Pipeline([BuildDispatch()], self.instruments).trace(last, records)
         return Runnable(records[-1].program, tuple(records))

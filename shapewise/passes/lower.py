@@ -90,7 +90,8 @@ class Lower(Pass):
 
     def __post_init__(self) -> None:
         if not callable(self.backend) and self.backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {self.backend!r}: use one of {BACKENDS} or a callable(gm, example_inputs)")
+            raise ConfigError(
+                f"unknown backend {self.backend!r}: use one of {BACKENDS} or a callable(gm, example_inputs)")
         if self.on_compile_error not in ("raise", "fallback"):
             raise ConfigError(f"on_compile_error must be 'raise' or 'fallback', got {self.on_compile_error!r}")
         for f in ("options", "static_options", "range_options"):

@@ -1,0 +1,271 @@
+"""Piecewise CUDA graphs: one graph per (compiled piece, captured size), splitting ops
+(attention) run eagerly between them.
+
+Per captured size, the first call warms each piece up, captures it into a graph in one
+memory pool shared by every piece and size, and replays it; later calls only replay.
+Inputs that come from outside the graphs (the caller's tensors, a splitting op's output) are
+copied into static buffers, one per (piece, input) allocated at the largest captured size
+(a call copies into a prefix view); parameters and the outputs of the previous captured piece
+are used in place. Graph outputs live in the pool and are overwritten by the next call, so
+the model's final outputs are cloned before they are returned (``copy_outputs``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import sympy
+import torch
+
+from shapewise.concretize.analyze import evaluate
+from shapewise.errors import ConfigError
+from shapewise.passes.base import Pass, register_pass
+from shapewise.passes.program import Binding, Program, TensorMeta
+
+__all__ = ["CudaGraphs", "GraphedPiece"]
+
+log = logging.getLogger("shapewise")
+
+
+class _Pool:
+    """The memory pool and the addresses of graph outputs, per captured size."""
+
+    def __init__(self) -> None:
+        self.handle = None
+        self.static_ptrs: dict[tuple, set[int]] = {}
+        self.lock = threading.Lock()
+
+    def get(self):
+        if self.handle is None:
+            self.handle = torch.cuda.graph_pool_handle()
+        return self.handle
+
+
+class _Buffer:
+    """One static input buffer of a piece, sized for the largest captured layout."""
+
+    def __init__(self, meta: TensorMeta, layouts: Mapping[tuple, tuple[list[int], list[int], int]]) -> None:
+        self.meta = meta
+        self.layouts = dict(layouts)
+        self.storage: torch.Tensor | None = None
+
+    def view(self, key: tuple) -> torch.Tensor:
+        if self.storage is None:
+            length = max(
+                (1 + off + sum((s - 1) * st for s, st in zip(shape, stride))) if all(shape) else 0
+                for shape, stride, off in self.layouts.values()
+            )
+            self.storage = torch.empty(max(length, 1), dtype=self.meta.dtype, device=self.meta.device)
+        shape, stride, off = self.layouts[key]
+        return self.storage.as_strided(shape, stride, off)
+
+
+class GraphedPiece:
+    """A compiled piece at one size: warm-up, capture and replay on first call; replay after."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, key: tuple, pool: _Pool,
+                 buffers: Sequence[_Buffer | None]) -> None:
+        self.fn = fn
+        self.name = name
+        self.key = key
+        self.pool = pool
+        self.buffers = list(buffers)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+        self.copy_slots: list[tuple[int, torch.Tensor]] = []
+        self.fixed_slots: list[tuple[int, int]] = []
+        self.fallbacks = 0
+
+    def __call__(self, *args: Any) -> Any:
+        graph = self.graph
+        if graph is None:
+            return self._capture(args)
+        for i, ptr in self.fixed_slots:
+            if args[i].data_ptr() != ptr:
+                return self._fallback(args, i)
+        for i, static in self.copy_slots:
+            static.copy_(args[i])
+        graph.replay()
+        return self.outputs
+
+    def _fallback(self, args: tuple, i: int) -> Any:
+        # A parameter (or an upstream output) moved since capture: the graph would read the
+        # old memory. Run the compiled piece directly instead: right, just not graphed.
+        if self.fallbacks == 0:
+            log.warning("shapewise: %s at %s: input %d is not at its captured address; running it "
+                        "without its CUDA graph", self.name, self.key, i)
+        self.fallbacks += 1
+        return self.fn(*args)
+
+    def _capture(self, args: tuple) -> Any:
+        with self.pool.lock:
+            live = self.pool.static_ptrs.setdefault(self.key, set())
+            self.fn(*args)  # warm-up: lazy initialisation stays out of the graph
+            static_args = list(args)
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                if isinstance(a, torch.nn.Parameter) or a.data_ptr() in live:
+                    self.fixed_slots.append((i, a.data_ptr()))
+                    continue
+                buf = self.buffers[i]
+                view = buf.view(self.key) if buf is not None else torch.empty_like(a)
+                view.copy_(a)
+                static_args[i] = view
+                self.copy_slots.append((i, view))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool.get()):
+                outputs = self.fn(*static_args)
+            for t in _tensors(outputs):
+                live.add(t.data_ptr())
+            self.outputs = outputs
+            self.graph = graph
+        graph.replay()
+        return outputs
+
+
+def _tensors(tree: Any):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for t in tree:
+            yield from _tensors(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from _tensors(t)
+
+
+def _clone_tensors(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, tuple):
+        return tuple(_clone_tensors(t) for t in tree)
+    if isinstance(tree, list):
+        return [_clone_tensors(t) for t in tree]
+    if isinstance(tree, dict):
+        return {k: _clone_tensors(v) for k, v in tree.items()}
+    return tree
+
+
+def _layout(meta: TensorMeta, values: Mapping[sympy.Symbol, int]) -> tuple[list[int], list[int], int]:
+    return ([evaluate(e, values) for e in meta.shape], [evaluate(e, values) for e in meta.stride],
+            evaluate(meta.offset, values))
+
+
+@register_pass
+@dataclass(frozen=True)
+class CudaGraphs(Pass):
+    """Capture each compiled piece per size into a CUDA graph (GPU only).
+
+    ``capture_sizes``: dispatch keys to capture (ints when there is one dynamic size, or
+    dicts {name: size}); default: every compiled single size. Each must be a compiled size or
+    lie inside a compiled range (that range's kernels are then captured at that size).
+    ``copy_outputs``: clone the model's outputs out of the graph pool (default True).
+    """
+
+    name: ClassVar[str] = "cudagraphs"
+    capture_sizes: Any = None
+    copy_outputs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.capture_sizes is not None and not isinstance(self.capture_sizes, tuple):
+            sizes = self.capture_sizes
+            object.__setattr__(self, "capture_sizes", tuple(sizes) if isinstance(sizes, (list, tuple)) else (sizes,))
+
+    def requires(self, program: Program) -> Sequence[Pass]:
+        if program.dispatch is None:
+            from shapewise.dispatch.runnable import BuildDispatch
+
+            return [BuildDispatch()]
+        return ()
+
+    def capture_keys(self, program: Program) -> list[tuple[tuple, Binding]]:
+        """Resolve capture sizes to (key, binding that serves it), validating each."""
+        shapes = program.shapes
+        table = program.dispatch
+        static = {b.key: b for b in program.bindings if b.is_static}
+        ranges = [b for b in program.bindings if not b.is_static]
+        if self.capture_sizes is None:
+            return [(k, b) for k, b in static.items()]
+        out = []
+        for size in self.capture_sizes:
+            if isinstance(size, Mapping):
+                from shapewise.concretize.concretize import _resolve_names
+
+                resolved = _resolve_names(shapes, size, "capture_sizes")
+                key = tuple(resolved.get(s, shapes.hints.get(s)) for s in shapes.symbols)
+            elif isinstance(size, int) and not isinstance(size, bool):
+                if len(shapes.symbols) != 1:
+                    raise ConfigError(f"capture size {size}: the graph has {len(shapes.symbols)} dynamic sizes; "
+                                      "give capture sizes as dicts {name: size}")
+                key = (size,)
+            else:
+                raise ConfigError(f"capture sizes are ints or {{name: size}} dicts, got {size!r}")
+            binding = static.get(key) or next(
+                (b for b in ranges if all(lo <= v <= hi for v, (lo, hi) in zip(key, b.bounds()))), None)
+            if binding is None:
+                raise ConfigError(
+                    f"capture size {table.describe_key(key)} is not compiled: capture sizes must be compiled sizes "
+                    f"or lie inside a compiled range ({', '.join(r['key'] for r in table.rows())})"
+                )
+            out.append((key, binding))
+        return sorted(out, key=lambda kb: kb[0], reverse=True)  # largest first into the shared pool
+
+    def apply(self, program: Program) -> Program:
+        from shapewise.dispatch.runnable import make_runner
+
+        if not torch.cuda.is_available():
+            raise ConfigError("cudagraphs=True needs a CUDA GPU; none is available")
+        keys = self.capture_keys(program)
+        shapes = program.shapes
+        pool = _Pool()
+        buffers: dict[str, list[_Buffer | None]] = {}
+        for piece in program.compute_pieces:
+            metas = piece.shapes.inputs
+            bufs: list[_Buffer | None] = []
+            for meta in metas:
+                if isinstance(meta, TensorMeta) and meta.device.type == "cuda":
+                    layouts = {k: _layout(meta, dict(zip(shapes.symbols, k))) for k, _ in keys}
+                    bufs.append(_Buffer(meta, layouts))
+                else:
+                    bufs.append(None)
+            buffers[piece.name] = bufs
+        overrides = {}
+        for key, binding in keys:
+            callables = {}
+            for p in program.pieces:
+                if p.is_splitting:
+                    callables[p.name] = p.gm.forward
+                    continue
+                variant = p.variant_for(binding)
+                fn = variant.compiled if variant is not None and variant.compiled is not None else p.gm.forward
+                callables[p.name] = GraphedPiece(fn, p.name, key, pool, buffers[p.name])
+            run = make_runner(program.graph, callables)
+            overrides[key] = _copy_out(run) if self.copy_outputs else run
+        table = program.dispatch.with_exact(overrides)
+        return program.replace(dispatch=table).with_attrs(cudagraph_keys=tuple(k for k, _ in keys))
+
+
+def _copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
+    def run_and_copy(*args: Any) -> Any:
+        return _clone_tensors(run(*args))
+
+    run_and_copy.__wrapped__ = run
+    return run_and_copy
+
+
+def graphed_pieces(program: Program) -> list[GraphedPiece]:
+    """Every GraphedPiece reachable from the program's dispatch table (for tests and reports)."""
+    out = []
+    for fn in program.dispatch.exact.values():
+        run = getattr(fn, "__wrapped__", fn)
+        for value in getattr(run, "__globals__", {}).values():
+            if isinstance(value, GraphedPiece):
+                out.append(value)
+    return out
+
