@@ -37,21 +37,27 @@ def build_pipeline(
     range_options: Mapping[str, Any] | None = None,
     on_compile_error: str = "raise",
     instruments: Sequence[Instrument] = (),
+    cudagraphs: bool = False,
+    capture_sizes: Any = None,
 ) -> Pipeline:
     """The standard pipeline for the given options."""
-    return Pipeline(
-        [
-            Split(ops=tuple(splitting_ops)),
-            Concretize(sizes=sizes, ranges=ranges),
-            Lower(backend=backend, options=options or (), static_options=static_options or (),
-                  range_options=range_options or (), on_compile_error=on_compile_error),
-        ],
-        instruments=instruments,
-    )
+    passes: list[Any] = [
+        Split(ops=tuple(splitting_ops)),
+        Concretize(sizes=sizes, ranges=ranges),
+        Lower(backend=backend, options=options or (), static_options=static_options or (),
+              range_options=range_options or (), on_compile_error=on_compile_error),
+    ]
+    if cudagraphs:
+        from shapewise.dispatch.cudagraphs import CudaGraphs
+
+        passes.append(CudaGraphs(capture_sizes=capture_sizes))
+    elif capture_sizes is not None:
+        raise ConfigError("capture_sizes is given but cudagraphs is off: pass cudagraphs=True")
+    return Pipeline(passes, instruments=instruments)
 
 
 _PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "backend", "options", "static_options", "range_options",
-                  "on_compile_error", "instruments"}
+                  "on_compile_error", "instruments", "cudagraphs", "capture_sizes"}
 
 
 def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,
