@@ -25,7 +25,10 @@ __all__ = [
     "Min",
     "Mod",
     "PythonMod",
+    "backward_source",
+    "compiled_backward",
     "compiled_source",
+    "eager_backward",
     "fresh_tracing_context",
     "no_zero_one_specialisation",
     "node_value",
@@ -191,7 +194,24 @@ def standalone_compile(gm: torch.fx.GraphModule, args: list[Any], *, static: boo
     mode = "from_example_inputs" if static else "from_tracing_context"
     # standalone_compile forwards `options` to compile_fx as keyword arguments: Inductor
     # config (max_autotune, ...) goes in as compile_fx's config_patches.
-    return _sc(gm, args, dynamic_shapes=mode, options={"config_patches": dict(options)} if options else {})
+    with eager_backward():
+        return _sc(gm, args, dynamic_shapes=mode, options={"config_patches": dict(options)} if options else {})
+
+
+@contextlib.contextmanager
+def eager_backward() -> Iterator[None]:
+    """Compile a training graph's backward together with its forward.
+
+    AOTAutograd otherwise lowers a static backward lazily, on the first ``backward()``: outside
+    Lower (its time, errors and fallback), and after the compile's tracing context is gone.
+    """
+    from torch._functorch import config as functorch_config
+
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield
 
 
 def compiled_source(fn: Any) -> str | None:
@@ -208,7 +228,10 @@ def compiled_source(fn: Any) -> str | None:
         src = getattr(obj, "source_code", None)
         if isinstance(src, str) and src not in found:
             found.append(src)
-        for attr in ("_compiled_fn", "compiled_fn", "fn", "__wrapped__", "compiled_fw", "compiled_bw"):
+        # Training artifacts: a bound ``CompiledFunction.apply`` (``__self__`` holds compiled_fw /
+        # compiled_bw); the backward sits behind a dynamo-disable wrapper.
+        for attr in ("_compiled_fn", "compiled_fn", "fn", "__wrapped__", "__self__", "_torchdynamo_orig_callable",
+                     "compiled_fw", "compiled_bw"):
             try:
                 todo.append((getattr(obj, attr, None), depth + 1))
             except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
@@ -219,6 +242,38 @@ def compiled_source(fn: Any) -> str | None:
             except ValueError:
                 continue
     return "\n".join(found) if found else None
+
+
+def compiled_backward(fn: Any) -> Any:
+    """The compiled backward of a training artifact (AOTAutograd's ``compiled_bw``), or None:
+    an inference artifact, or a backward not compiled yet (see ``eager_backward``)."""
+    seen: set[int] = set()
+    todo = [(fn, 0)]
+    while todo:
+        obj, depth = todo.pop(0)
+        if obj is None or id(obj) in seen or depth > 8:
+            continue
+        seen.add(id(obj))
+        try:
+            bw = getattr(obj, "compiled_bw", None)
+            if bw is not None:
+                return bw
+            todo.extend((getattr(obj, a, None), depth + 1) for a in ("_compiled_fn", "compiled_fn", "fn",
+                                                                     "__wrapped__", "__self__"))
+        except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
+            continue
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                todo.append((cell.cell_contents, depth + 1))
+            except ValueError:
+                continue
+    return None
+
+
+def backward_source(fn: Any) -> str | None:
+    """The code Inductor generated for a training artifact's backward (None if there is none)."""
+    bw = compiled_backward(fn)
+    return compiled_source(bw) if bw is not None else None
 
 
 def placeholder_source(node: torch.fx.Node):
@@ -253,7 +308,8 @@ def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
 def aot_eager(gm: torch.fx.GraphModule, args: list[Any]):
     from torch._dynamo.backends.debugging import aot_eager as _aot_eager
 
-    return _aot_eager(gm, args)
+    with eager_backward():
+        return _aot_eager(gm, args)
 
 
 def backend_error_cause(e: BaseException) -> BaseException | None:

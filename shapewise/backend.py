@@ -96,6 +96,10 @@ def _dims_spec(spec: Any, arg: str) -> dict[int, str]:
     raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
 
 
+class _UnmarkedRetrace(Exception):
+    """Raised by the backend for a Dynamo trace that did not come through ``_first_call``."""
+
+
 class ShapewiseModule:
     """What ``shapewise.compile`` returns: call it like the model.
 
@@ -133,6 +137,7 @@ class ShapewiseModule:
         self._arg_dims: dict[str, dict[int, str]] = {}
         self.runnables: list[Runnable] = []
         self._lock = threading.Lock()
+        self._local = threading.local()
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
 
     # -- tracing -------------------------------------------------------------------------
@@ -157,6 +162,11 @@ class ShapewiseModule:
         self._arg_dims = {a: {d % bound.arguments[a].dim(): n for d, n in s.items()} for a, s in dims.items()}
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Runnable:
+        if not getattr(self._local, "tracing", False):
+            # Dynamo re-traces on a guard failure (grad mode: train then eval; requires_grad;
+            # dtype) with this call's tensors, which carry no dynamic marks: that graph would be
+            # static. Refuse it; __call__ then marks them and traces again.
+            raise _UnmarkedRetrace
         names: dict[sympy.Symbol, str] = {}
         for node in gm.graph.nodes:
             if node.op != "placeholder":
@@ -177,7 +187,12 @@ class ShapewiseModule:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             if self.runnables:
-                return self._compiled(*args, **kwargs)
+                try:
+                    return self._compiled(*args, **kwargs)
+                except Exception as e:
+                    if not isinstance(_compat.backend_error_cause(e), _UnmarkedRetrace):
+                        raise
+                return self._first_call(args, kwargs, retrace=True)
             return self._first_call(args, kwargs)
         except Exception as e:
             inner = _compat.backend_error_cause(e)
@@ -185,13 +200,19 @@ class ShapewiseModule:
                 raise inner.with_traceback(None) from None
             raise
 
-    def _first_call(self, args: tuple, kwargs: dict) -> Any:
+    def _first_call(self, args: tuple, kwargs: dict, retrace: bool = False) -> Any:
+        """Trace (the first call, or a re-trace after a guard failed) with the dynamic dims of
+        this call's tensors marked and sizes 0/1 not specialised."""
         with self._lock:
-            if self.runnables:
+            if self.runnables and not retrace:
                 return self._compiled(*args, **kwargs)
             self._mark(args, kwargs)
-            with _compat.no_zero_one_specialisation():
-                out = self._compiled(*args, **kwargs)
+            self._local.tracing = True
+            try:
+                with _compat.no_zero_one_specialisation():
+                    out = self._compiled(*args, **kwargs)
+            finally:
+                self._local.tracing = False
             if not self.runnables:
                 raise ShapewiseError(
                     "Dynamo ran the model without handing a graph to shapewise (its recompile limit for "
