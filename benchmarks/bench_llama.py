@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     run("shapewise static+max_autotune", shapewise(sizes=at_tokens, static_options={"max_autotune": True}), at_tokens)
     if device == "cuda":
         run("shapewise static+cudagraphs", shapewise(cudagraphs=True), tokens)
+        run("shapewise static+max_autotune+cudagraphs",
+            shapewise(sizes=at_tokens, static_options={"max_autotune": True}, cudagraphs=True), at_tokens)
 
     for row in results.values():
         row["roofline_us"] = {t: roofline_us(model, t, dim, ceilings) for t in tokens} if device == "cuda" else {}
