@@ -1,0 +1,31 @@
+"""Unbreakable: bad inputs and odd layouts through ``sw.compile``, configuration errors caught
+before any trace, compile faults reported (or fallen back from), and one regression test per
+library bug found while fuzzing (tests/test_fuzz.py)."""
+
+from __future__ import annotations
+
+import torch
+
+import shapewise as sw
+from tests.conftest import assert_same
+from tests.helpers import dynamo_graph
+
+# -- regressions -------------------------------------------------------------------------------
+
+
+def test_regression_bindings_given_as_a_list_of_dicts_reach_make_bindings():
+    # Concretize froze [{"a": 2, "b": 4}] into tuples of pairs, which make_bindings then read as
+    # plain sizes: "sizes must be ints, got (('a', 2), ('b', 4))".
+    def f(x):
+        return (x * 2).sum(1)
+
+    gm = dynamo_graph(f, torch.randn(3, 5), dims={0: [0, 1]})
+    a, b = (str(s) for s in sw.AnalyzeShapes()(gm).shapes.symbols)
+    program = sw.Concretize(sizes=[{a: 2, b: 4}], ranges=[{a: (3, 9), b: (1, 10)}])(gm)
+    assert [bd.key for bd in program.bindings] == [(2, 4), ((3, 9), (1, 10))]
+    fast = sw.compile(f, dynamic_dims={"x": {0: "batch", 1: "seq"}}, backend="eager",
+                      sizes=[{"batch": 2, "seq": 4}, {"batch": 3, "seq": 4}], ranges=[{"batch": (4, 8), "seq": (1, 9)}])
+    for shape in ((2, 4), (3, 4), (5, 7)):
+        x = torch.randn(shape)
+        assert_same(fast(x), f(x))
+    assert [r["key"] for r in fast.report()] == ["{batch=2, seq=4}", "{batch=3, seq=4}", "{batch=4..8, seq=1..9}"]
