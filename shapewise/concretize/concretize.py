@@ -290,12 +290,17 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
     Ranges: fake tensors over a fresh ShapeEnv whose symbols carry the range as bounds (so a
     compile can neither add guards to the trace nor assume the traced size).
     """
-    if binding.is_static:
+    bound = dict(binding.items)
+    # Symbols of the piece that no binding can fix (data-dependent sizes, e.g. unbacked u0):
+    # those stay symbolic, so such a piece compiles with symbolic args even for one size.
+    free = [s for s in piece.shapes.symbols if s not in bound]
+    if binding.is_static and not free:
         values = binding.static_values()
         return _materialise(piece, mode or FakeTensorMode(), values, values, symbolic=False)
     hints = piece.shapes.hints
     ranged = {s: (v[0], v[1], _range_hint(v[0], v[1], hints.get(s))) for s, v in binding.items
               if not isinstance(v, int)}
+    ranged.update({s: (0, INT_MAX, _range_hint(0, INT_MAX, hints.get(s))) for s in free})
     mode, new = _compat.symbolic_env(ranged)
     static = binding.static_values()
     exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}

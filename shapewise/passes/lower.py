@@ -41,17 +41,27 @@ def _fake_mode_of(args: list[Any]):
     return None
 
 
+def _is_symbolic(args: list[Any]) -> bool:
+    for a in args:
+        if isinstance(a, torch.SymInt):
+            return True
+        if isinstance(a, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*a.shape, *a.stride())):
+            return True
+    return False
+
+
 def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping[str, Any]) -> Callable[..., Any]:
     """Compile one (piece, variant) and return a callable taking the piece's inputs positionally.
 
     Static variants compile from concrete fake inputs in no tracing context; range variants in
     the context of their own fresh ShapeEnv (see ``concretize.example_args``).
     """
-    static = variant.binding.is_static
     args = list(variant.example_args)
     if backend == "eager":
         return piece.gm.forward
-    mode = None if static else _fake_mode_of(args)
+    # Symbolic args: a range variant, or a piece whose inputs have data-dependent sizes.
+    mode = _fake_mode_of(args) if _is_symbolic(args) else None
+    static = mode is None
     oblivious = _compat.no_zero_one_specialisation() if mode is not None else contextlib.nullcontext()
     with _compat.fresh_tracing_context(mode), oblivious:
         if backend == "inductor":
