@@ -262,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     run("shapewise static+max_autotune", shapewise(sizes=at_tokens, static_options={"max_autotune": True}), at_tokens)
     if device == "cuda":
         run("shapewise static+cudagraphs", shapewise(cudagraphs=True), tokens)
+        run("shapewise static+full cudagraph", shapewise(cudagraphs="full"), tokens)
         run("shapewise static+max_autotune+cudagraphs",
             shapewise(sizes=at_tokens, static_options={"max_autotune": True}, cudagraphs=True), at_tokens)
 

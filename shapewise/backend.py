@@ -50,7 +50,7 @@ def build_pipeline(
     if cudagraphs:
         from shapewise.dispatch.cudagraphs import CudaGraphs
 
-        passes.append(CudaGraphs(capture_sizes=capture_sizes))
+        passes.append(CudaGraphs(capture_sizes=capture_sizes, mode="full" if cudagraphs == "full" else "piecewise"))
     elif capture_sizes is not None:
         raise ConfigError("capture_sizes is given but cudagraphs is off: pass cudagraphs=True")
     return Pipeline(passes, instruments=instruments)

@@ -166,13 +166,20 @@ class CudaGraphs(Pass):
     dicts {name: size}); default: every compiled single size. Each must be a compiled size or
     lie inside a compiled range (that range's kernels are then captured at that size).
     ``copy_outputs``: clone the model's outputs out of the graph pool (default True).
+    ``mode``: ``"piecewise"`` (default: one graph per compiled piece, splitting ops run eagerly
+    between graphs) or ``"full"`` (one graph per size around the whole forward, splitting ops
+    included: the fewest launches, for splitting ops that are safe to capture, as vLLM's
+    full-graph decode mode).
     """
 
     name: ClassVar[str] = "cudagraphs"
     capture_sizes: Any = None
     copy_outputs: bool = True
+    mode: str = "piecewise"
 
     def __post_init__(self) -> None:
+        if self.mode not in ("piecewise", "full"):
+            raise ConfigError(f"cudagraphs mode must be 'piecewise' or 'full', got {self.mode!r}")
         if self.capture_sizes is not None and not isinstance(self.capture_sizes, tuple):
             sizes = self.capture_sizes
             object.__setattr__(self, "capture_sizes", tuple(sizes) if isinstance(sizes, (list, tuple)) else (sizes,))
@@ -224,17 +231,19 @@ class CudaGraphs(Pass):
         keys = self.capture_keys(program)
         shapes = program.shapes
         pool = _Pool()
-        buffers: dict[str, list[_Buffer | None]] = {}
-        for piece in program.compute_pieces:
-            metas = piece.shapes.inputs
-            bufs: list[_Buffer | None] = []
+
+        def buffers_for(metas: Sequence[Any]) -> list[_Buffer | None]:
+            out: list[_Buffer | None] = []
             for meta in metas:
                 if isinstance(meta, TensorMeta) and meta.device.type == "cuda":
                     layouts = {k: _layout(meta, dict(zip(shapes.symbols, k))) for k, _ in keys}
-                    bufs.append(_Buffer(meta, layouts))
+                    out.append(_Buffer(meta, layouts))
                 else:
-                    bufs.append(None)
-            buffers[piece.name] = bufs
+                    out.append(None)
+            return out
+
+        buffers = {p.name: buffers_for(p.shapes.inputs) for p in program.compute_pieces}
+        whole_buffers = buffers_for(shapes.inputs) if self.mode == "full" else []
         overrides = {}
         for key, binding in keys:
             callables = {}
@@ -244,8 +253,10 @@ class CudaGraphs(Pass):
                     continue
                 variant = p.variant_for(binding)
                 fn = variant.compiled if variant is not None and variant.compiled is not None else p.gm.forward
-                callables[p.name] = GraphedPiece(fn, p.name, key, pool, buffers[p.name])
+                callables[p.name] = fn if self.mode == "full" else GraphedPiece(fn, p.name, key, pool, buffers[p.name])
             run = make_runner(program.graph, callables)
+            if self.mode == "full":
+                run = GraphedPiece(run, "forward", key, pool, whole_buffers)
             overrides[key] = _copy_out(run) if self.copy_outputs else run
         table = program.dispatch.with_exact(overrides)
         return program.replace(dispatch=table).with_attrs(cudagraph_keys=tuple(k for k, _ in keys))
@@ -264,6 +275,9 @@ def graphed_pieces(program: Program) -> list[GraphedPiece]:
     out = []
     for fn in program.dispatch.exact.values():
         run = getattr(fn, "__wrapped__", fn)
+        if isinstance(run, GraphedPiece):
+            out.append(run)
+            continue
         for value in getattr(run, "__globals__", {}).values():
             if isinstance(value, GraphedPiece):
                 out.append(value)

@@ -26,13 +26,13 @@ def test_capture_sizes_must_be_compiled_or_inside_a_range():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["inductor", "eager"])
-def test_replay_matches_uncaptured_and_never_goes_stale(backend):
+@pytest.mark.parametrize("backend, mode", [("inductor", True), ("eager", True), ("inductor", "full")])
+def test_replay_matches_uncaptured_and_never_goes_stale(backend, mode):
     torch.manual_seed(0)
     model = ToyTransformer(layers=2, dim=64, heads=4, hidden=128, vocab=128).cuda()
     kwargs = dict(sizes=[1, 2, 8], ranges=[(9, 64)], splitting_ops=[ATTENTION_OP], backend=backend)
     plain = sw.compile(model, **kwargs)
-    graphed = sw.compile(model, cudagraphs=True, capture_sizes=[1, 2, 8, 24], **kwargs)
+    graphed = sw.compile(model, cudagraphs=mode, capture_sizes=[1, 2, 8, 24], **kwargs)
     with torch.no_grad():
         for n in (8, 1, 2, 24, 8, 24, 30):  # 30: a range size that is not captured
             ids = torch.randint(0, 128, (n,), device="cuda")
