@@ -140,7 +140,6 @@ def measure_ceilings(device: str) -> dict[str, float]:
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    del src, dst, a, b
     return {"copy_bytes_per_s": bw, "matmul_flops_per_s": 2 * 8192**3 / (ms * 1e-3)}
 
 
@@ -301,7 +300,8 @@ def markdown(env, tokens, results, model, dim, ceilings, device) -> str:
         if device == "cuda":
             cells.append(f"{roofline_us(model, t, dim, ceilings):.0f}")
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| contender | compile + first-call seconds (all sizes) | max rel. error | error |", "|---|---|---|---|"]
+    lines += ["", "| contender | compile + first-call seconds (all sizes) | max rel. error | error |",
+              "|---|---|---|---|"]
     for n in names:
         r = results[n]
         worst = max(r["err"].values()) if r["err"] else math.nan
