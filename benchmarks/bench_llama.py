@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: FAILED {row['error']}", flush=True)
             traceback.print_exc(limit=3)
         torch._dynamo.reset()
+        # Written after every contender, so a run cut short still leaves its results.
+        (out / "results.json").write_text(json.dumps({"env": env, "tokens": tokens, "results": results}, indent=1))
 
     def nograd(f):
         def g(x):
