@@ -319,3 +319,23 @@ def backend_error_cause(e: BaseException) -> BaseException | None:
     if isinstance(e, BackendCompilerFailed):
         return getattr(e, "inner_exception", None) or e.__cause__
     return None
+
+
+__all__ += ["op_schema", "storage_key"]
+
+
+def storage_key(t: torch.Tensor) -> Any:
+    """A hashable identity of ``t``'s storage (shared by all its views; fake tensors included)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def op_schema(target: Any):
+    """The schema of an OpOverload (or of an OpOverloadPacket's default overload), else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overload = getattr(target, "default", None)
+        return overload._schema if overload is not None else None
+    return None

@@ -31,3 +31,27 @@ def dynamo_graph(fn, *args, dims=None):
 def symbolic_graph(fn, *args):
     """``make_fx(tracing_mode="symbolic")``: every dim symbolic."""
     return make_fx(fn, tracing_mode="symbolic")(*args)
+
+
+def graph_args(gm, *tensors):
+    """The positional arguments of ``gm`` for a call with ``tensors`` (the function's tensor
+    arguments, in order): tensor placeholders take them in order; a SymInt placeholder takes
+    the size (or stride) of the tensor whose traced layout carries that symbol."""
+    from shapewise._compat import node_value, sym_expr
+
+    values = [node_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    it = iter(tensors)
+    out = [next(it) if isinstance(v, torch.Tensor) else None for v in values]
+    for i, v in enumerate(values):
+        if not isinstance(v, torch.SymInt):
+            continue
+        e = sym_expr(v)
+        for t, real in zip(values, out):
+            if isinstance(t, torch.Tensor):
+                hit = [real.shape[d] for d, s in enumerate(t.shape) if sym_expr(s) == e]
+                hit += [real.stride(d) for d, s in enumerate(t.stride()) if sym_expr(s) == e]
+                if hit:
+                    out[i] = hit[0]
+                    break
+        assert out[i] is not None, f"no tensor carries symbol {e}"
+    return out
