@@ -16,16 +16,19 @@ from shapewise.errors import (
     InputMismatch,
     ShapewiseError,
 )
-from shapewise.graph_split import Split, register_alias
+from shapewise.graph_split import Split, draw_split, register_alias, split_graph
 from shapewise.passes import (
     Binding,
+    Dump,
     Instrument,
     Lower,
     Pass,
     Pipeline,
     PrintAfter,
     Program,
+    Report,
     Timing,
+    Verify,
     format_graph,
     format_program,
     parse_spec,
@@ -35,9 +38,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AnalyzeShapes", "Binding", "BindingError", "BuildDispatch", "CompileError", "Concretize", "ConfigError",
-    "DispatchMiss", "DispatchTable", "GuardViolation", "InputMismatch", "Instrument", "Lower", "Pass",
-    "Pipeline", "PrintAfter", "Program", "Runnable", "ShapewiseError", "Split", "Timing", "compile",
-    "format_graph", "format_program", "parse_spec", "plan_sizes", "register_alias",
+    "DispatchMiss", "DispatchTable", "Dump", "GuardViolation", "InputMismatch", "Instrument", "Lower", "Pass",
+    "Pipeline", "PrintAfter", "Program", "Report", "Runnable", "ShapewiseError", "Split", "Timing", "Verify",
+    "compile", "draw_split", "format_graph", "format_program", "parse_spec", "plan_sizes", "register_alias",
+    "split_graph",
 ]
 
 

@@ -20,6 +20,7 @@ from shapewise.dispatch.runnable import Runnable
 from shapewise.errors import ConfigError, ShapewiseError
 from shapewise.graph_split import Split
 from shapewise.passes import Instrument, Lower, Pipeline, Program
+from shapewise.passes.display import Report
 
 __all__ = ["ShapewiseModule", "compile", "shapewise_backend"]
 
@@ -74,7 +75,7 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
         raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {known}")
     names = dict(opts.pop("symbol_names", {}) or {})
     on_miss = opts.pop("on_miss", "error")
-    program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss, inputs_guarded_by="dynamo")
+    program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss)
     return build_pipeline(**opts).run(program)
 
 
@@ -236,8 +237,8 @@ class ShapewiseModule:
         """How many Dynamo traces reached the backend (1 unless a guard failed, e.g. a new dtype)."""
         return len(self.runnables)
 
-    def report(self) -> list[dict[str, Any]]:
-        return [row for r in self.runnables for row in r.report()]
+    def report(self) -> Report:
+        return Report(row for r in self.runnables for row in r.report())
 
 
 def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), splitting_ops: Sequence[Any] = (),

@@ -122,6 +122,16 @@ class DispatchTable:
     def __len__(self) -> int:
         return len(self.static_keys) + len(self.range_bindings)
 
+    def __str__(self) -> str:
+        from shapewise.passes.display import table_text
+
+        return table_text(self)
+
+    def _repr_html_(self) -> str:
+        from shapewise.passes.display import table_html
+
+        return table_html(self)
+
     def rows(self) -> list[dict[str, Any]]:
         rows = [{"key": self.describe_key(k), "kind": "exact"} for k in self.static_keys]
         rows += [{"key": b.describe(self.names), "kind": "range"} for b in self.range_bindings]

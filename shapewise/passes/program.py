@@ -72,6 +72,16 @@ class ShapeInfo:
     def name_of(self, s: sympy.Symbol) -> str:
         return self.names.get(s, str(s))
 
+    def __str__(self) -> str:
+        from shapewise.passes.printer import format_shapes
+
+        return format_shapes(self)
+
+    def _repr_html_(self) -> str:
+        from shapewise.passes.display import shapes_html
+
+        return shapes_html(self)
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -180,3 +190,13 @@ class Program:
         from shapewise.passes.printer import format_program
 
         return format_program(self)
+
+    def _repr_html_(self) -> str:
+        from shapewise.passes.display import program_html
+
+        return program_html(self)
+
+    def _repr_png_(self) -> bytes | None:
+        from shapewise.passes.display import program_png
+
+        return program_png(self)
