@@ -75,7 +75,7 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
         raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {known}")
     names = dict(opts.pop("symbol_names", {}) or {})
     on_miss = opts.pop("on_miss", "error")
-    program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss)
+    program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss, inputs_guarded_by="dynamo")
     return build_pipeline(**opts).run(program)
 
 

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch.fx
 
+from shapewise.dispatch.guards import InputGuards
 from shapewise.dispatch.table import DispatchTable
 from shapewise.passes.base import Pass, PassRecord, register_pass
 from shapewise.passes.display import Report
@@ -91,8 +92,9 @@ class BuildDispatch(Pass):
         shapes = program.shapes
         on_miss = program.attrs.get("on_miss", self.on_miss)
         exact, ranges = {}, []
+        guards = InputGuards(program)  # checks inputs (no-op when Dynamo's guards sit in front)
         for b in program.bindings:
-            runner = make_runner(program.graph, _callables_for(program, b))
+            runner = guards.wrap(b, make_runner(program.graph, _callables_for(program, b)))
             if b.is_static:
                 exact[b.key] = runner
             else:
@@ -104,7 +106,7 @@ class BuildDispatch(Pass):
         elif on_miss == "dynamic":
             miss_runner = _GeneralVariant(program)
         table = DispatchTable(shapes.symbols, [shapes.sources[s] for s in shapes.symbols], exact, ranges,
-                              shapes.names, on_miss, miss_runner)
+                              shapes.names, on_miss, guards.wrap_miss(miss_runner))
         return program.replace(dispatch=table)
 
 
@@ -161,7 +163,7 @@ class Runnable:
 
     def report(self) -> Report:
         rows = [dict(v.report) for p in self.program.compute_pieces for v in p.variants]
-        miss = self.table._miss_runner
+        miss = getattr(self.table._miss_runner, "__wrapped__", self.table._miss_runner)
         if isinstance(miss, _GeneralVariant):
             rows += miss.rows
         return Report(rows)
