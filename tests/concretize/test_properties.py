@@ -128,6 +128,11 @@ def test_concretised_layouts_equal_real_tensors(recipe, sizes):
             variant = piece.variant_for(binding)
             for real, fake in zip(seen[piece.name], variant.example_args):
                 if isinstance(real, torch.Tensor):
+                    if any(isinstance(d, torch.SymInt) for d in (*fake.shape, *fake.stride())):
+                        # A data-dependent size (unbacked symbol: torch 2.11 makes some for step
+                        # slices) stays symbolic by design; the variant then compiles with symbolic args.
+                        assert not variant.binding.is_static or piece.shapes.symbols, (piece.name, n)
+                        continue
                     assert tuple(fake.shape) == tuple(real.shape), (piece.name, n)
                     # A size-1 dim's stride never addresses memory: only the others must agree.
                     strides = [(a, b) for a, b, size in zip(fake.stride(), real.stride(), real.shape) if size > 1]
