@@ -51,7 +51,10 @@ def build_pipeline(
     if cudagraphs:
         from shapewise.dispatch.cudagraphs import CudaGraphs
 
-        passes.append(CudaGraphs(capture_sizes=capture_sizes, mode="full" if cudagraphs == "full" else "piecewise"))
+        # True / "piecewise" / "full", or a dict of CudaGraphs options ({"mode": "full", "pad": True}).
+        graph_opts = dict(cudagraphs) if isinstance(cudagraphs, Mapping) else {
+            "mode": "full" if cudagraphs == "full" else "piecewise"}
+        passes.append(CudaGraphs(capture_sizes=capture_sizes, **graph_opts))
     elif capture_sizes is not None:
         raise ConfigError("capture_sizes is given but cudagraphs is off: pass cudagraphs=True")
     return Pipeline(passes, instruments=instruments)

@@ -12,6 +12,7 @@ the model's final outputs are cloned before they are returned (``copy_outputs``)
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Any, ClassVar
 
 import sympy
 import torch
+import torch.fx
 
 from shapewise.concretize.analyze import evaluate
 from shapewise.errors import ConfigError
@@ -170,12 +172,16 @@ class CudaGraphs(Pass):
     between graphs) or ``"full"`` (one graph per size around the whole forward, splitting ops
     included: the fewest launches, for splitting ops that are safe to capture, as vLLM's
     full-graph decode mode).
+    ``pad``: run every size up to the largest captured one padded (with zeros) to the next
+    captured size and slice the outputs back; only for models whose rows are independent
+    (each output row depends only on its input row and earlier ones, as causal attention).
     """
 
     name: ClassVar[str] = "cudagraphs"
     capture_sizes: Any = None
     copy_outputs: bool = True
     mode: str = "piecewise"
+    pad: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("piecewise", "full"):
@@ -258,6 +264,8 @@ class CudaGraphs(Pass):
             if self.mode == "full":
                 run = GraphedPiece(run, "forward", key, pool, whole_buffers)
             overrides[key] = _copy_out(run) if self.copy_outputs else run
+        if self.pad:
+            overrides.update(padded_entries(program, overrides))
         table = program.dispatch.with_exact(overrides)
         return program.replace(dispatch=table).with_attrs(cudagraph_keys=tuple(k for k, _ in keys))
 
@@ -268,6 +276,79 @@ def _copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
 
     run_and_copy.__wrapped__ = run
     return run_and_copy
+
+
+def _varying_dims(metas: Sequence[Any], symbol: sympy.Symbol, what: str) -> list[tuple[int, ...] | None]:
+    """Per input/output: the dims whose size is exactly ``symbol``; refuses other uses of it."""
+    out: list[tuple[int, ...] | None] = []
+    for i, meta in enumerate(metas):
+        if isinstance(meta, TensorMeta):
+            dims = tuple(d for d, e in enumerate(meta.shape) if e == symbol)
+            others = [e for e in meta.shape if e != symbol and symbol in getattr(e, "free_symbols", ())]
+            if others:
+                raise ConfigError(f"pad=True: {what} {i} has a size {others[0]} derived from the dynamic size; "
+                                  "padding only works when every varying dim is the size itself")
+            out.append(dims)
+        else:
+            out.append(None)
+    return out
+
+
+def pad_runner(run: Callable[..., Any], n: int, m: int, in_dims: Sequence[tuple[int, ...] | None],
+               int_args: Sequence[int], out_dims: Sequence[tuple[int, ...] | None]) -> Callable[..., Any]:
+    """Run size ``n`` through the runner of size ``m >= n``: pad inputs with zeros, slice outputs."""
+
+    def padded(*args: Any) -> Any:
+        args = list(args)
+        for i in int_args:
+            args[i] = m
+        for i, dims in enumerate(in_dims):
+            if dims:
+                t = args[i]
+                big = t.new_zeros([m if d in dims else s for d, s in enumerate(t.shape)])
+                view = big
+                for d in dims:
+                    view = view.narrow(d, 0, n)
+                view.copy_(t)
+                args[i] = big
+        outs = run(*args)
+        flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        for j, dims in enumerate(out_dims):
+            if dims and isinstance(flat[j], torch.Tensor):
+                for d in dims:
+                    flat[j] = flat[j].narrow(d, 0, n)
+        return type(outs)(flat) if isinstance(outs, (tuple, list)) else flat[0]
+
+    return padded
+
+
+def padded_entries(program: Program, captured: Mapping[tuple, Callable[..., Any]]) -> dict[tuple, Callable[..., Any]]:
+    """Exact dispatch entries for every size up to the largest captured one, padded up."""
+    from shapewise._compat import node_value
+
+    shapes = program.shapes
+    if len(shapes.symbols) != 1:
+        raise ConfigError("pad=True needs exactly one dynamic size")
+    (sym,) = shapes.symbols
+    in_dims = _varying_dims(shapes.inputs, sym, "input")
+    int_args = [i for i, meta in enumerate(shapes.inputs) if isinstance(meta, sympy.Basic) and meta == sym]
+    out_node = next(n for n in program.graph.graph.nodes if n.op == "output")
+    outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+    out_metas = []
+    for o in outs:
+        v = node_value(o) if isinstance(o, torch.fx.Node) else None
+        out_metas.append(TensorMeta(tuple(sympy.sympify(d.node.expr if isinstance(d, torch.SymInt) else d)
+                                          for d in v.shape), (), 0, v.dtype, v.device)
+                         if isinstance(v, torch.Tensor) else None)
+    out_dims = _varying_dims(out_metas, sym, "output")
+    sizes = sorted(k[0] for k in captured)
+    entries: dict[tuple, Callable[..., Any]] = {}
+    for n in range(1, sizes[-1] + 1):
+        if (n,) in captured:
+            continue
+        m = sizes[bisect.bisect_left(sizes, n)]
+        entries[(n,)] = pad_runner(captured[(m,)], n, m, in_dims, int_args, out_dims)
+    return entries
 
 
 def graphed_pieces(program: Program) -> list[GraphedPiece]:

@@ -60,3 +60,33 @@ def test_moved_parameter_falls_back_instead_of_reading_stale_memory():
         graphed(ids)
         model.head.weight = torch.nn.Parameter(model.head.weight.detach() * 2)  # a new tensor
         assert_same(graphed(ids), model(ids))
+
+
+def test_pad_runner_pads_inputs_and_slices_outputs():
+    from shapewise.dispatch.cudagraphs import pad_runner
+
+    seen = []
+
+    def run(n, x, w):
+        seen.append((n, tuple(x.shape)))
+        return (x.cumsum(0) @ w, w.sum())
+
+    padded = pad_runner(run, 3, 8, in_dims=[None, (0,), None], int_args=[0], out_dims=[(0,), ()])
+    x, w = torch.randn(3, 4), torch.randn(4, 2)
+    out, total = padded(3, x, w)
+    assert seen == [(8, (8, 4))]
+    assert_same(out, x.cumsum(0) @ w)
+    assert_same(total, w.sum())
+
+
+@pytest.mark.gpu
+def test_padding_to_the_next_captured_size():
+    model = ToyTransformer(layers=1, dim=32, heads=2, hidden=64, vocab=64).cuda()
+    graphed = sw.compile(model, sizes=[4, 16], splitting_ops=[ATTENTION_OP], backend="inductor",
+                         cudagraphs={"mode": "piecewise", "pad": True})
+    with torch.no_grad():
+        for n in (4, 3, 9, 16, 1):
+            ids = torch.randint(0, 64, (n,), device="cuda")
+            assert_same(graphed(ids), model(ids), f"n={n}")
+        with pytest.raises(sw.DispatchMiss):
+            graphed(torch.randint(0, 64, (17,), device="cuda"))
