@@ -78,8 +78,29 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
         raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {known}")
     names = dict(opts.pop("symbol_names", {}) or {})
     on_miss = opts.pop("on_miss", "error")
+    _specialise_layout_symbols(gm)
     program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss, inputs_guarded_by="dynamo")
     return build_pipeline(**opts).run(program)
+
+
+def _specialise_layout_symbols(gm: torch.fx.GraphModule) -> list[str]:
+    """Fix every symbol that is only a stride or offset (Dynamo makes the strides of a
+    non-contiguous tensor with a dynamic dim symbols of their own) to its traced value.
+
+    Such a symbol is a layout, not a size: the variants are compiled for the traced layout, and
+    Dynamo would otherwise accept any other (a contiguous call after a strided one then fails to
+    dispatch). Fixing it adds a guard to the trace, so another layout makes Dynamo trace again.
+    """
+    values = [_compat.node_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    in_shapes = {s for v in values if isinstance(v, torch.Tensor) for d in v.shape
+                 for s in _compat.sym_expr(d).free_symbols}
+    in_layouts = {s for v in values if isinstance(v, torch.Tensor)
+                  for e in (*v.stride(), v.storage_offset()) for s in _compat.sym_expr(e).free_symbols}
+    fixed = []
+    for v in values:
+        if isinstance(v, torch.SymInt) and _compat.sym_expr(v).free_symbols <= in_layouts - in_shapes:
+            fixed.append(f"{_compat.sym_expr(v)}={int(v)}")  # int() guards the value in the trace
+    return fixed
 
 
 def _dims_spec(spec: Any, arg: str) -> dict[int, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 import shapewise as sw
+from shapewise.models import MLP
 from tests.conftest import assert_same
 from tests.helpers import dynamo_graph
 
@@ -29,3 +30,16 @@ def test_regression_bindings_given_as_a_list_of_dicts_reach_make_bindings():
         x = torch.randn(shape)
         assert_same(fast(x), f(x))
     assert [r["key"] for r in fast.report()] == ["{batch=2, seq=4}", "{batch=3, seq=4}", "{batch=4..8, seq=1..9}"]
+
+
+def test_regression_a_contiguous_call_after_a_strided_one_still_dispatches():
+    # Dynamo gives a non-contiguous tensor with a dynamic dim a stride symbol of its own; it
+    # was bound to its traced value like a size, so the trace accepted any stride but dispatch
+    # knew one: after x[:, ::2], a contiguous x raised DispatchMiss {n=8, s7=32}. Layout-only
+    # symbols are now fixed in the trace (a guard), so another layout traces again.
+    model = MLP()
+    fast = sw.compile(model, sizes=[4, 8], ranges=[(9, 32)], backend="eager")
+    for x in (torch.randn(8, 64)[:, ::2], torch.randn(8, 32), torch.randn(20, 32), torch.randn(4, 64)[:, 1::2]):
+        assert_same(fast(x), model(x), f"{tuple(x.shape)} {x.stride()}")
+    assert fast.traces == 2
+    assert all(len(r.program.shapes.symbols) == 1 for r in fast.runnables)
