@@ -43,7 +43,7 @@ def build_pipeline(
 ) -> Pipeline:
     """The standard pipeline for the given options."""
     passes: list[Any] = [
-        Split(ops=tuple(splitting_ops)),
+        Split(ops=_op_list(splitting_ops)),
         Concretize(sizes=sizes, ranges=ranges),
         Lower(backend=backend, options=options or (), static_options=static_options or (),
               range_options=range_options or (), on_compile_error=on_compile_error),
@@ -103,6 +103,11 @@ def _specialise_layout_symbols(gm: torch.fx.GraphModule) -> list[str]:
     return fixed
 
 
+def _op_list(ops: Any) -> tuple[Any, ...]:
+    """``splitting_ops`` as a tuple: one op (a name, an op, a callable) or a list of them."""
+    return tuple(ops) if isinstance(ops, (list, tuple)) else (ops,)
+
+
 def _dims_spec(spec: Any, arg: str) -> dict[int, str]:
     """``1`` / ``[0, 1]`` / ``{0: "batch", 1: "seq"}`` → {dim: name}."""
     if isinstance(spec, bool):
@@ -154,7 +159,7 @@ class ShapewiseModule:
                     raise ConfigError(f"dynamic_dims names {arg!r}, which is not an argument of "
                                       f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
                 self._dims[arg] = _dims_spec(spec, arg)
-        self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=tuple(splitting_ops), backend=backend,
+        self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,
                              **pipeline_options)
         build_pipeline(**self._options)  # validates op names, backend, options before any trace
         self._on_miss = on_miss

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import shapewise as sw
-from shapewise.models import MLP
+from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
 from tests.conftest import assert_same
 from tests.helpers import dynamo_graph
 
@@ -43,3 +43,12 @@ def test_regression_a_contiguous_call_after_a_strided_one_still_dispatches():
         assert_same(fast(x), model(x), f"{tuple(x.shape)} {x.stride()}")
     assert fast.traces == 2
     assert all(len(r.program.shapes.symbols) == 1 for r in fast.runnables)
+
+
+def test_one_splitting_op_may_be_given_as_a_string():
+    # Regression: a string was split into characters ("unknown splitting op 's'").
+    model = ToyTransformer(layers=1)
+    fast = sw.compile(model, sizes=[4], splitting_ops=ATTENTION_OP, backend="eager")
+    ids = torch.randint(0, 64, (4,))
+    assert_same(fast(ids), model(ids))
+    assert [p.is_splitting for p in fast.program.pieces] == [False, True, False]
