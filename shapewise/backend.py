@@ -16,6 +16,7 @@ import torch
 
 from shapewise import _compat
 from shapewise.concretize import Concretize
+from shapewise.concretize.concretize import check_sizes
 from shapewise.dispatch.runnable import Runnable
 from shapewise.errors import ConfigError, ShapewiseError
 from shapewise.graph_split import Split
@@ -159,6 +160,9 @@ class ShapewiseModule:
                     raise ConfigError(f"dynamic_dims names {arg!r}, which is not an argument of "
                                       f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
                 self._dims[arg] = _dims_spec(spec, arg)
+        # Sizes and ranges before any trace (a typo should not cost a trace to find out).
+        check_sizes(sizes, ranges, names={n for spec in (self._dims or {"": {0: DEFAULT_DIM_NAME}}).values()
+                                          for n in spec.values()})
         self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,
                              **pipeline_options)
         build_pipeline(**self._options)  # validates op names, backend, options before any trace
@@ -227,7 +231,8 @@ class ShapewiseModule:
         except Exception as e:
             inner = _compat.backend_error_cause(e)
             if isinstance(inner, ShapewiseError):
-                raise inner.with_traceback(None) from None
+                # Hide Dynamo's wrapper, keep the error's own cause (e.g. the backend's exception).
+                raise inner.with_traceback(None) from inner.__cause__
             raise
 
     def _first_call(self, args: tuple, kwargs: dict, retrace: bool = False) -> Any:

@@ -4,6 +4,7 @@ library bug found while fuzzing (tests/test_fuzz.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import shapewise as sw
@@ -45,6 +46,111 @@ def test_regression_a_contiguous_call_after_a_strided_one_still_dispatches():
     assert all(len(r.program.shapes.symbols) == 1 for r in fast.runnables)
 
 
+# -- 1. inputs a variant was not compiled for, through sw.compile ------------------------------
+# Dynamo's guards sit in front of the runnable: a new layout, dtype or rank fails a guard and
+# Dynamo traces again (dims marked dynamic again, so the new trace serves every size); nothing
+# reaches a compiled variant that was not compiled for it. (Pipeline runnables, with no Dynamo in
+# front, check their inputs themselves: tests/dispatch/test_guards.py.)
+
+ODD_LAYOUTS = {
+    "transposed": lambda n: torch.randn(32, n).t(),
+    "step": lambda n: torch.randn(2 * n, 32)[::2],
+    "column step": lambda n: torch.randn(n, 64)[:, 1::2],
+    "offset": lambda n: torch.randn(n + 3, 32)[3:],
+    "expanded": lambda n: torch.randn(1, 32).expand(n, 32),
+}
+
+
+def test_odd_layouts_through_compile_give_the_right_answer():
+    model = MLP()
+    fast = sw.compile(model, sizes=[1, 4, 8], ranges=[(9, 64)], backend="aot_eager")
+    for n in (8, 1, 4, 33):
+        x = torch.randn(n, 32)
+        assert_same(fast(x), model(x), f"contiguous n={n}")
+    assert fast.traces == 1
+    for name, make in ODD_LAYOUTS.items():
+        for n in (1, 4, 8, 33):
+            x = make(n)
+            assert_same(fast(x), model(x), f"{name} n={n}")
+    # One new trace per new layout at most (each serves every size), never one per size.
+    assert fast.traces <= 1 + len(ODD_LAYOUTS)
+
+
+def test_another_dtype_through_compile_traces_again_or_fails_as_eager_does():
+    def f(x):
+        return (x * 2).softmax(-1)
+
+    fast = sw.compile(f, sizes=[2, 8], backend="aot_eager")
+    x = torch.randn(8, 5)
+    assert_same(fast(x), f(x))
+    for dtype in (torch.float64, torch.bfloat16):
+        for n in (2, 8):
+            x = torch.randn(n, 5, dtype=dtype)
+            assert_same(fast(x), f(x), f"{dtype} n={n}")
+    assert fast.traces == 3
+    model = MLP()  # float32 weights: a float64 input fails in eager, and fails the same way here
+    fast = sw.compile(model, sizes=[8], backend="aot_eager")
+    fast(torch.randn(8, 32))
+    x = torch.randn(8, 32, dtype=torch.float64)
+    with pytest.raises(RuntimeError) as eager_err:
+        model(x)
+    with pytest.raises(RuntimeError) as err:
+        fast(x)
+    assert "dtype" in str(eager_err.value) and "dtype" in str(err.value)
+
+
+def test_another_rank_through_compile():
+    model = MLP()
+    fast = sw.compile(model, sizes=[2, 8], backend="aot_eager")
+    fast(torch.randn(8, 32))
+    x = torch.randn(2, 8, 32)  # Linear takes any rank: a new trace, batch dim 0 = 2 is compiled
+    assert_same(fast(x), model(x))
+    with pytest.raises(sw.DispatchMiss, match=r"size \{n=3\}"):
+        fast(torch.randn(3, 8, 32))
+
+
+# -- 2. configuration errors, before any trace -------------------------------------------------
+
+class _Untraceable(torch.nn.Module):
+    """Fails the test if anything traces it: configuration errors must come first."""
+
+    def forward(self, x):
+        raise AssertionError("traced: the configuration error should have been raised before any trace")
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(sizes=[0]), r"sizes must be >= 1, got 0"),
+    (dict(sizes=[4, -2]), r"sizes must be >= 1, got -2"),
+    (dict(sizes=[1, 8, 8]), r"sizes lists 8 more than once"),
+    (dict(sizes=[8.0]), r"sizes must be ints, got 8.0 \(float\)"),
+    (dict(sizes="1,8"), r"sizes must be ints, a \{name: \[sizes\]\} dict or a list of \{name: size\} dicts"),
+    (dict(sizes=[1, {"n": 2}]), r"sizes mixes ints and dicts"),
+    (dict(sizes={"n": [2, 2]}), r"sizes\['n'\] lists 2 more than once"),
+    (dict(ranges=[(9, 4)]), r"range \(9, 4\) is empty"),
+    (dict(ranges=[(0, 4)]), r"sizes must be >= 1, got 0"),
+    (dict(ranges=[(1, 8), (8, 16)]), r"ranges \(1, 8\) and \(8, 16\) overlap"),
+    (dict(ranges=[(1, 10), (5, 6)]), r"ranges \(1, 10\) and \(5, 6\) overlap"),
+    (dict(ranges=(9, 64)), r"did you mean ranges=\[\(9, 64\)\]"),
+    (dict(ranges=[(1, 2, 3)]), r"a range is a \(low, high\) pair"),
+    (dict(ranges={"n": [(1, 4), (3, 9)]}), r"ranges\['n'\]: ranges \(1, 4\) and \(3, 9\) overlap"),
+    (dict(ranges=[{"n": (1, 4)}, {"n": (4, 9)}]), r"overlap"),
+    (dict(dynamic_dims={"x": {0: "batch"}}, sizes={"bacth": [1, 2]}), r"'bacth', which is not a dynamic dim.*'batch'"),
+    (dict(dynamic_dims={"x": {0: "batch"}}, ranges=[{"btch": (1, 2)}]), r"did you mean 'batch'"),
+    (dict(sizes={"seq": [1]}), r"'seq', which is not a dynamic dim; the dynamic dims are \['n'\]"),
+    (dict(dynamic_dims={"y": 0}), r"dynamic_dims names 'y', which is not an argument.*\['x'\]"),
+    (dict(dynamic_dims={"x": "0"}), r"dynamic_dims\['x'\] must be a dim"),
+    (dict(splitting_ops=["shapewise_toy::attentoin"]), r"closest registered names: \['shapewise_toy::attention"),
+    (dict(splitting_ops="shapewise_toy::atention"), r"unknown splitting op 'shapewise_toy::atention'"),
+    (dict(splitting_ops=["atention"]), r"unknown splitting op 'atention'"),
+    (dict(backend="inductr"), r"unknown backend 'inductr'"),
+    (dict(on_miss="pad"), r"on_miss must be"),
+    (dict(on_compile_error="ignore"), r"on_compile_error must be 'raise' or 'fallback'"),
+])
+def test_configuration_errors_before_any_trace(kwargs, fragment):
+    with pytest.raises(sw.ConfigError, match=fragment):
+        sw.compile(_Untraceable(), **{"sizes": [1, 2], **kwargs})
+
+
 def test_one_splitting_op_may_be_given_as_a_string():
     # Regression: a string was split into characters ("unknown splitting op 's'").
     model = ToyTransformer(layers=1)
@@ -52,3 +158,67 @@ def test_one_splitting_op_may_be_given_as_a_string():
     ids = torch.randint(0, 64, (4,))
     assert_same(fast(ids), model(ids))
     assert [p.is_splitting for p in fast.program.pieces] == [False, True, False]
+
+
+def test_pipeline_passes_refuse_bad_sizes_when_built():
+    with pytest.raises(sw.ConfigError, match="more than once"):
+        sw.Concretize(sizes=[2, 2])
+    with pytest.raises(sw.ConfigError, match="overlap"):
+        sw.Pipeline([sw.Concretize(ranges=[(1, 5), (5, 9)])])
+
+
+def test_sizes_the_trace_refuses_name_the_guard_before_compiling():
+    def pairs(x):
+        return x.view(-1, 2, x.shape[1]).sum(1)
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    fast = sw.compile(pairs, sizes=[2, 4, 7], backend=backend)
+    with pytest.raises(sw.GuardViolation, match=r"size \{n=7\} contradicts the trace's guard"):
+        fast(torch.randn(4, 3))
+    assert compiled == []
+
+
+# -- 3. compile faults ------------------------------------------------------------------------
+
+def _fails_for(n: int, piece_has: str):
+    """A backend that raises for one size, in the piece whose code mentions ``piece_has``."""
+
+    def backend(gm, example_inputs):
+        sizes = [a.shape[0] for a in example_inputs if isinstance(a, torch.Tensor) and a.dim() > 0]
+        if piece_has in gm.code and any(isinstance(s, int) and s == n for s in sizes):
+            raise RuntimeError(f"backend exploded at size {n}")
+        return gm.forward
+
+    backend.__name__ = "flaky"
+    return backend
+
+
+def test_a_failing_compile_names_the_piece_the_binding_and_the_cause():
+    model = ToyTransformer(layers=1)
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP],
+                      backend=_fails_for(4, "embedding"))
+    with pytest.raises(sw.CompileError, match=r"compiling piece_0 for \{n=4\} with backend 'flaky' failed: "
+                                              r"RuntimeError: backend exploded at size 4") as err:
+        fast(torch.randint(0, 64, (2,)))
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_fallback_runs_the_failed_variant_eagerly_and_the_rest_compiled():
+    model = ToyTransformer(layers=1)
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP],
+                      backend=_fails_for(4, "embedding"), on_compile_error="fallback")
+    for n in (2, 4, 5, 16):
+        ids = torch.randint(0, 64, (n,))
+        assert_same(fast(ids), model(ids), f"n={n}")
+    rows = {(r["piece"], r["key"]): r for r in fast.report()}
+    assert len(rows) == 2 * 3
+    bad = rows[("piece_0", "{n=4}")]
+    assert bad["source"] == "fallback" and bad["error"] == "RuntimeError: backend exploded at size 4"
+    others = [r for k, r in rows.items() if k != ("piece_0", "{n=4}")]
+    assert all(r["source"] == "compiled" and "error" not in r for r in others)
+    assert fast.traces == 1

@@ -4,9 +4,11 @@ and build each piece's static example arguments (shape, stride, offset, storage 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,7 +22,7 @@ from shapewise.errors import BindingError, ConfigError, GuardViolation
 from shapewise.passes.base import Pass, register_pass
 from shapewise.passes.program import Binding, Piece, Program, ShapeInfo, TensorMeta, Variant
 
-__all__ = ["Concretize", "check_binding", "example_args", "make_bindings", "primary_symbols"]
+__all__ = ["Concretize", "check_binding", "check_sizes", "example_args", "make_bindings", "primary_symbols"]
 
 INT_MAX = 2**63 - 1
 
@@ -103,6 +105,99 @@ def _check_range(r: Any, what: str) -> tuple[int, int]:
     if lo > hi:
         raise ConfigError(f"{what}: range ({lo}, {hi}) is empty: low must be <= high")
     return lo, hi
+
+
+_SYMBOL_NAME = re.compile(r"[su]\d+")
+
+
+def _check_name(name: Any, names: Collection[str] | None, what: str) -> None:
+    if names is None or str(name) in names or _SYMBOL_NAME.fullmatch(str(name)):
+        return
+    close = difflib.get_close_matches(str(name), sorted(names), n=1)
+    raise ConfigError(
+        f"{what} names {str(name)!r}, which is not a dynamic dim; the dynamic dims are {sorted(names)}"
+        + (f" (did you mean {close[0]!r}?)" if close else "")
+    )
+
+
+def _no_duplicates(items: Sequence[Any], what: str) -> None:
+    seen: list[Any] = []
+    for x in items:
+        if x in seen:
+            raise ConfigError(f"{what} lists {x} more than once; give each size once")
+        seen.append(x)
+
+
+def _no_overlap(ranges: Sequence[tuple[int, int]], what: str) -> None:
+    ordered = sorted(ranges)
+    for (a, b), (c, d) in zip(ordered, ordered[1:]):
+        if c <= b:
+            raise ConfigError(f"{what}: ranges ({a}, {b}) and ({c}, {d}) overlap; "
+                              "each run-time size must fall in at most one range")
+
+
+def _listing(value: Any, what: str, of: str) -> list[Any]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ConfigError(f"{what} must be {of}; got {value!r} ({type(value).__name__})")
+    return list(value)
+
+
+def _is_pair(v: Any) -> bool:
+    return isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_int(x) for x in v)
+
+
+def check_sizes(sizes: Any = (), ranges: Any = (), names: Collection[str] | None = None) -> None:
+    """Check ``sizes`` and ``ranges`` before any trace: types, sizes >= 1, sizes listed twice,
+    empty or overlapping ranges, and (given ``names``, the names of the dynamic dims) names
+    that are not dims. Raises ``ConfigError``; ``make_bindings`` checks again on the graph."""
+    of_sizes = "ints, a {name: [sizes]} dict or a list of {name: size} dicts"
+    if isinstance(sizes, Mapping):
+        for name, v in sizes.items():
+            _check_name(name, names, "sizes")
+            what = f"sizes[{str(name)!r}]"
+            vals = [v] if _is_int(v) else _listing(v, what, "an int or a list of ints")
+            _no_duplicates([_check_size(x, what) for x in vals], what)
+    elif sizes is not None and not _is_int(sizes):
+        items = _listing(sizes, "sizes", of_sizes)
+        if any(isinstance(b, Mapping) for b in items):
+            if not all(isinstance(b, Mapping) for b in items):
+                raise ConfigError(f"sizes mixes ints and dicts: give {of_sizes}")
+            for b in items:
+                for name, v in b.items():
+                    _check_name(name, names, "sizes")
+                    _check_size(v, f"sizes[{str(name)!r}]")
+            _no_duplicates([dict(b) for b in items], "sizes")
+        else:
+            _no_duplicates([_check_size(v, "sizes") for v in items], "sizes")
+    elif _is_int(sizes):
+        _check_size(sizes, "sizes")
+
+    of_ranges = "a list of inclusive (low, high) pairs, a {name: [(low, high)]} dict or a list of {name: range} dicts"
+    if isinstance(ranges, Mapping):
+        for name, v in ranges.items():
+            _check_name(name, names, "ranges")
+            what = f"ranges[{str(name)!r}]"
+            _no_overlap([_check_range(r, what) for r in ([v] if _is_pair(v) else _listing(v, what, "pairs"))], what)
+    elif ranges is not None:
+        items = _listing(ranges, "ranges", of_ranges)
+        if len(items) == 2 and all(_is_int(x) for x in items):
+            raise ConfigError(f"ranges must be {of_ranges}; got {ranges!r}: did you mean ranges=[{tuple(items)}]?")
+        if any(isinstance(b, Mapping) for b in items):
+            if not all(isinstance(b, Mapping) for b in items):
+                raise ConfigError(f"ranges mixes pairs and dicts: give {of_ranges}")
+            boxes = []
+            for b in items:
+                box = {}
+                for name, v in b.items():
+                    _check_name(name, names, "ranges")
+                    what = f"ranges[{str(name)!r}]"
+                    box[str(name)] = (_check_size(v, what),) * 2 if _is_int(v) else _check_range(v, what)
+                boxes.append(box)
+            for a, b in itertools.combinations(boxes, 2):
+                if a.keys() == b.keys() and all(a[k][0] <= b[k][1] and b[k][0] <= a[k][1] for k in a):
+                    raise ConfigError(f"ranges {a} and {b} overlap; each run-time size must fall in at most one range")
+        else:
+            _no_overlap([_check_range(r, "ranges") for r in items], "ranges")
 
 
 def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple[Binding, ...]:
@@ -321,6 +416,7 @@ class Concretize(Pass):
     ranges: Any = ()
 
     def __post_init__(self) -> None:
+        check_sizes(self.sizes, self.ranges)  # fail before any trace: typos, sizes <= 0, overlaps
         if _is_int(self.sizes):
             object.__setattr__(self, "sizes", (self.sizes,))
         object.__setattr__(self, "sizes", _freeze(self.sizes) if not isinstance(self.sizes, Mapping) else self.sizes)

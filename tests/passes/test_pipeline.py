@@ -66,10 +66,10 @@ def test_passes_never_mutate_their_input():
 
 def test_errors_name_the_pass_and_the_passes_before():
     gm = dynamo_graph(lambda x: x + 1, torch.randn(4, 3))
-    with pytest.raises(sw.ConfigError) as err:
-        sw.Pipeline([sw.Split(), sw.Concretize(sizes=[0])]).run(gm)
+    with pytest.raises(sw.ConfigError) as err:  # a name only the graph can refuse (sizes <= 0 fail up front)
+        sw.Pipeline([sw.Split(), sw.Concretize(sizes={"nope": [1]})]).run(gm)
     notes = "".join(err.value.__notes__)
-    assert "concretize{sizes=0}" in notes and "after split, analyze_shapes" in notes
+    assert "concretize{sizes={'nope':[1]}}" in notes and "after split, analyze_shapes" in notes
 
 
 def test_instruments_see_every_pass():
