@@ -132,6 +132,9 @@ class DispatchTable:
 
         return table_html(self)
 
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
     def rows(self) -> list[dict[str, Any]]:
         rows = [{"key": self.describe_key(k), "kind": "exact"} for k in self.static_keys]
         rows += [{"key": b.describe(self.names), "kind": "range"} for b in self.range_bindings]

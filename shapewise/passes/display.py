@@ -94,6 +94,9 @@ class Report(list):
     def _repr_html_(self) -> str:
         return html_table(self, self.columns, caption=f"{len(self)} rows")
 
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
 
 # -- shapes ------------------------------------------------------------------------------------
 

@@ -368,3 +368,6 @@ class Verify(Instrument):
 
     def _repr_html_(self) -> str:
         return self.report()._repr_html_()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))

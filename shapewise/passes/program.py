@@ -82,6 +82,9 @@ class ShapeInfo:
 
         return shapes_html(self)
 
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -200,3 +203,6 @@ class Program:
         from shapewise.passes.display import program_png
 
         return program_png(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
