@@ -17,11 +17,10 @@ import torch
 from shapewise import _compat
 from shapewise.concretize import Concretize
 from shapewise.concretize.concretize import check_sizes
-from shapewise.dispatch.runnable import Runnable
+from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import ConfigError, ShapewiseError
 from shapewise.graph_split import Split
 from shapewise.passes import Instrument, Lower, Pipeline, Program
-from shapewise.passes.display import Report
 
 __all__ = ["ShapewiseModule", "compile", "shapewise_backend"]
 
@@ -41,14 +40,21 @@ def build_pipeline(
     instruments: Sequence[Instrument] = (),
     cudagraphs: bool = False,
     capture_sizes: Any = None,
+    compile: str = "eager_all",
+    cache: Any = None,
+    dedupe: bool = True,
+    progress: bool | None = None,
 ) -> Pipeline:
     """The standard pipeline for the given options."""
     passes: list[Any] = [
         Split(ops=_op_list(splitting_ops)),
         Concretize(sizes=sizes, ranges=ranges),
         Lower(backend=backend, options=options or (), static_options=static_options or (),
-              range_options=range_options or (), on_compile_error=on_compile_error),
+              range_options=range_options or (), on_compile_error=on_compile_error,
+              compile=compile, cache=cache, dedupe=dedupe, progress=progress),
     ]
+    if cudagraphs and compile != "eager_all":
+        raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")
     if cudagraphs:
         from shapewise.dispatch.cudagraphs import CudaGraphs
 
@@ -62,7 +68,8 @@ def build_pipeline(
 
 
 _PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "backend", "options", "static_options", "range_options",
-                  "on_compile_error", "instruments", "cudagraphs", "capture_sizes"}
+                  "on_compile_error", "instruments", "cudagraphs", "capture_sizes", "compile", "cache", "dedupe",
+                  "progress"}
 
 
 def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,
@@ -170,6 +177,7 @@ class ShapewiseModule:
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}
         self.runnables: list[Runnable] = []
+        self._background: Any = None  # compile="background": its thread, while it runs
         self._lock = threading.Lock()
         self._local = threading.local()
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
@@ -216,12 +224,16 @@ class ShapewiseModule:
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
                                                           "on_miss": self._on_miss})
         self.runnables.append(runnable)
+        self._background = runnable.program.attrs.get("background", self._background)
         return runnable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             if self.runnables:
                 try:
+                    if self._background is not None and not self._background.done.is_set():
+                        with _compat.calls_during_fx_trace():  # a background compile may be tracing
+                            return self._compiled(*args, **kwargs)
                     return self._compiled(*args, **kwargs)
                 except Exception as e:
                     if not isinstance(_compat.backend_error_cause(e), _UnmarkedRetrace):
@@ -271,8 +283,8 @@ class ShapewiseModule:
         """How many Dynamo traces reached the backend (1 unless a guard failed, e.g. a new dtype)."""
         return len(self.runnables)
 
-    def report(self) -> Report:
-        return Report(row for r in self.runnables for row in r.report())
+    def report(self) -> CompileReport:
+        return CompileReport(row for r in self.runnables for row in r.report())
 
 
 def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), splitting_ops: Sequence[Any] = (),

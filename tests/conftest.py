@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +14,12 @@ import shapewise.models  # noqa: F401 - registers the toy custom ops
 
 # Inductor compiles on 2 CI cores: keep them from competing with each other.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+# shapewise's artifact cache: one fresh folder per test session, never the user's ~/.cache.
+_CACHE_DIR = tempfile.mkdtemp(prefix="shapewise-test-cache-")
+os.environ["SHAPEWISE_CACHE_DIR"] = _CACHE_DIR
+os.environ.pop("SHAPEWISE_CACHE", None)
+atexit.register(shutil.rmtree, _CACHE_DIR, True)
 
 TOLERANCES = {
     torch.float64: (1e-10, 1e-10),

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
+import threading
+import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
 import torch.fx
 
 from shapewise.dispatch.guards import InputGuards
 from shapewise.dispatch.table import DispatchTable
 from shapewise.passes.base import Pass, PassRecord, register_pass
-from shapewise.passes.display import Report
+from shapewise.passes.display import REPORT_COLUMNS, Report
 from shapewise.passes.program import Binding, Program
 
-__all__ = ["BuildDispatch", "Runnable", "make_runner"]
+__all__ = ["BuildDispatch", "CompileReport", "Runnable", "make_runner"]
+
+log = logging.getLogger("shapewise")
 
 
 def _fmt(arg: Any) -> str:
@@ -80,9 +88,10 @@ class BuildDispatch(Pass):
     on_miss: str = "error"
 
     def requires(self, program: Program) -> Sequence[Pass]:
-        if program.bindings is None or any(
+        deferred = getattr(program.lowering, "deferred", False)  # lazy / background: compiled here
+        if program.bindings is None or (not deferred and any(
             v.compiled is None for p in program.compute_pieces for v in p.variants
-        ):
+        )):
             from shapewise.passes.lower import Lower
 
             return [Lower()]
@@ -93,8 +102,20 @@ class BuildDispatch(Pass):
         on_miss = program.attrs.get("on_miss", self.on_miss)
         exact, ranges = {}, []
         guards = InputGuards(program)  # checks inputs (no-op when Dynamo's guards sit in front)
+        session = program.attrs.get("compile_session")
+        mode = getattr(program.lowering, "compile", "eager_all") if session is not None else "eager_all"
+        deferred: dict[Binding, tuple[_Deferred, Callable[..., Any]]] = {}
+        background = None
         for b in program.bindings:
-            runner = guards.wrap(b, make_runner(program.graph, _callables_for(program, b)))
+            if mode != "eager_all" and any(p.variant_for(b) is not None and p.variant_for(b).compiled is None
+                                           for p in program.compute_pieces):
+                if mode == "background" and background is None:
+                    background = _Background(program, session)
+                d = _Deferred(_binding_builder(program, session, b) if mode == "lazy" else None, background)
+                runner = guards.wrap(b, d)
+                deferred[b] = (d, runner)
+            else:
+                runner = guards.wrap(b, make_runner(program.graph, _callables_for(program, b)))
             if b.is_static:
                 exact[b.key] = runner
             else:
@@ -103,18 +124,164 @@ class BuildDispatch(Pass):
         if on_miss == "eager":
             eager = make_runner(program.graph, _callables_for(program, None))
             miss_runner = lambda key: eager  # noqa: E731
+        elif on_miss == "dynamic" and background is not None:
+            miss_runner = lambda key: background  # noqa: E731 - never compiles on the caller's thread
         elif on_miss == "dynamic":
-            miss_runner = _GeneralVariant(program)
+            miss_runner = _GeneralVariant(program, session)
         table = DispatchTable(shapes.symbols, [shapes.sources[s] for s in shapes.symbols], exact, ranges,
                               shapes.names, on_miss, guards.wrap_miss(miss_runner))
+        for b, (d, entry) in deferred.items():
+            d.on_ready = _swapper(table, guards, b, entry)
+        if background is not None:
+            background.start({b: d for b, (d, _) in deferred.items()})
+            return program.replace(dispatch=table).with_attrs(background=background)
         return program.replace(dispatch=table)
 
 
-class _GeneralVariant:
-    """Compiles, on the first miss, one variant with every symbol dynamic, and reuses it."""
+def _binding_builder(program: Program, session: Any, binding: Binding) -> Callable[[], Callable[..., Any]]:
+    def build() -> Callable[..., Any]:
+        from shapewise.passes.lower import SOURCES, summary_line
 
-    def __init__(self, program: Program) -> None:
+        t0 = time.perf_counter()
+        before = dict(session.counts)
+        runner = make_runner(program.graph, session.compile_binding(program.pieces, binding))
+        counts = {k: session.counts[k] - before.get(k, 0) for k in SOURCES}
+        log.info("%s", summary_line(counts, time.perf_counter() - t0,
+                                    f"{binding.describe(program.shapes.names)} on first use: "))
+        return runner
+
+    return build
+
+
+def _swapper(table: DispatchTable, guards: InputGuards, binding: Binding,
+             entry: Callable[..., Any]) -> Callable[[Callable[..., Any]], None]:
+    def swap(runner: Callable[..., Any]) -> None:
+        table.replace_runner(entry, guards.wrap(binding, runner))
+
+    return swap
+
+
+class _Deferred:
+    """A binding's runner until its variants are compiled: ``lazy`` compiles them on the first
+    call (that call waits; concurrent callers of the same binding wait for the same compile);
+    ``background`` never compiles here and serves from the fallback until the background
+    thread hands in the real runner. Once ready it forwards, and the table entry is swapped
+    for the real runner so later calls skip this object."""
+
+    def __init__(self, build: Callable[[], Callable[..., Any]] | None, fallback: Callable[..., Any] | None) -> None:
+        self.build = build
+        self.fallback = fallback
+        self.final: Callable[..., Any] | None = None
+        self.on_ready: Callable[[Callable[..., Any]], None] | None = None
+        self._lock = threading.Lock()
+
+    def ready(self, runner: Callable[..., Any]) -> None:
+        self.final = runner
+        if self.on_ready is not None:
+            self.on_ready(runner)
+
+    def __call__(self, *args: Any) -> Any:
+        fn = self.final
+        if fn is None:
+            if self.build is None:
+                return self.fallback(*args)
+            with self._lock:
+                if self.final is None:
+                    self.ready(self.build())
+            fn = self.final
+        return fn(*args)
+
+
+_RUNNING: weakref.WeakSet[_Background] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_compiles() -> None:
+    # A thread still inside a compile when the interpreter tears down aborts the process:
+    # let the current variant finish, start no other.
+    for background in list(_RUNNING):
+        background.stop()
+
+
+class _Background:
+    """The background compile thread of one dispatch table: first (with several bindings) a
+    general dynamic variant that then serves every pending size, then each binding in order,
+    each swapped into the table when ready. Calls never wait on it: until a binding is ready
+    they run the general variant if it is compiled, else eagerly."""
+
+    def __init__(self, program: Program, session: Any) -> None:
         self.program = program
+        self.session = session
+        self.pending: dict[Binding, _Deferred] = {}
+        self.fallback: Callable[..., Any] = make_runner(program.graph, _callables_for(program, None))
+        self.errors: list[BaseException] = []
+        self.seconds = 0.0
+        self.done = threading.Event()
+        self.stopping = threading.Event()
+        self.general: _GeneralVariant | None = None
+        self._grad = torch.is_grad_enabled()  # grad mode is per thread: compile as the caller would
+        self.thread = threading.Thread(target=self._run, name="shapewise-compile", daemon=True)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fallback(*args)
+
+    def start(self, pending: Mapping[Binding, _Deferred]) -> None:
+        self.pending = dict(pending)
+        _RUNNING.add(self)
+        self.thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Compile nothing more (the variant being compiled finishes) and wait for the thread."""
+        self.stopping.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        from shapewise.passes.lower import SOURCES, summary_line
+
+        t0 = time.perf_counter()
+        before = dict(self.session.counts)
+        try:
+            with torch.set_grad_enabled(self._grad):
+                if len(self.pending) > 1:
+                    general = self._general()
+                    if general is not None:
+                        self.fallback = general
+                for binding, deferred in self.pending.items():
+                    if self.stopping.is_set():
+                        break
+                    try:
+                        callables = self.session.compile_binding(self.program.pieces, binding)
+                        deferred.ready(make_runner(self.program.graph, callables))
+                    except Exception as e:  # noqa: BLE001 - no caller to raise to: kept for wait()
+                        self.errors.append(e)
+                        log.error("shapewise: background compile failed; %s keeps running on the fallback: %s",
+                                  binding, e)
+        finally:
+            self.seconds = time.perf_counter() - t0
+            counts = {k: self.session.counts[k] - before.get(k, 0) for k in SOURCES}
+            log.info("%s", summary_line(counts, self.seconds, "background: "))
+            self.done.set()
+            _RUNNING.discard(self)
+
+    def _general(self) -> Callable[..., Any] | None:
+        self.general = _GeneralVariant(self.program, self.session, label="general (background fallback)")
+        try:
+            return self.general(())
+        except Exception as e:  # noqa: BLE001 - eager keeps serving
+            log.info("shapewise: the general dynamic variant did not compile (%s); pending sizes run eagerly "
+                        "until their own variants are ready", e)
+            return None
+
+
+class _GeneralVariant:
+    """Compiles, on first use, one variant with every symbol dynamic, and reuses it (through
+    the program's compile session when there is one: dedupe and cache)."""
+
+    def __init__(self, program: Program, session: Any = None, label: str = "general (on_miss='dynamic')") -> None:
+        self.program = program
+        self.session = session
+        self.label = label
         self.runner: Callable[..., Any] | None = None
         self.rows: list[dict[str, Any]] = []
 
@@ -125,17 +292,51 @@ class _GeneralVariant:
 
             (general,) = make_bindings(self.program.shapes)
             pieces = attach_variants(self.program.pieces, [general])
-            lower = self.program.lowering or Lower()
+            session = self.session or (self.program.lowering or Lower()).session()
             callables = {}
             for p in pieces:
                 if p.is_splitting:
                     callables[p.name] = p.gm.forward
                     continue
-                v = lower.compile_variant(p, p.variants[0])
-                self.rows.append({**v.report, "key": "general (on_miss='dynamic')"})
+                v = session.compile(p, p.variants[0])
+                self.rows.append({**v.report, "key": self.label})
                 callables[p.name] = v.compiled
             self.runner = make_runner(self.program.graph, callables)
         return self.runner
+
+
+class CompileReport(Report):
+    """``Runnable.report()``: one row per (piece, variant) (piece, key, static, seconds,
+    source, backend, artifact) and a ``total``; prints as a table with a total line.
+
+    ``source``: "compiled", "reused" (an identical piece's artifact, this process), "cache"
+    (loaded from disk), "fallback" (failed, runs eagerly) or "pending" (lazy / background).
+    """
+
+    def __init__(self, rows: Any = (), columns: Sequence[str] | None = (*REPORT_COLUMNS, "artifact")) -> None:
+        super().__init__(rows, columns)
+
+    @property
+    def total(self) -> dict[str, Any]:
+        """{"variants", "seconds", and a count per source}."""
+        out: dict[str, Any] = {"variants": len(self), "seconds": sum(float(r.get("seconds", 0.0)) for r in self)}
+        for r in self:
+            src = str(r.get("source", ""))
+            out[src] = out.get(src, 0) + 1
+        return out
+
+    def total_line(self) -> str:
+        t = self.total
+        counts = ", ".join(f"{t[k]} {k}" for k in ("compiled", "reused", "cache", "fallback", "pending") if t.get(k))
+        return f"total: {t['variants']} variants ({counts or 'none'}), {t['seconds']:.2f} s"
+
+    def __str__(self) -> str:
+        return super().__str__() + "\n" + self.total_line()
+
+    def _repr_html_(self) -> str:
+        from shapewise.passes.display import html_table
+
+        return html_table(self, self.columns, caption=self.total_line())
 
 
 class Runnable:
@@ -161,12 +362,36 @@ class Runnable:
             fn = self._resolve(key)
         return fn(*args)
 
-    def report(self) -> Report:
-        rows = [dict(v.report) for p in self.program.compute_pieces for v in p.variants]
+    def report(self) -> CompileReport:
+        session = self.program.attrs.get("compile_session")
+        done = session.results if session is not None else {}
+        rows = []
+        for p in self.program.compute_pieces:
+            for v in p.variants:
+                got = done.get((p.name, v.binding))
+                rows.append(dict(got.report if got is not None else v.report))
+        background = self.program.attrs.get("background")
         miss = getattr(self.table._miss_runner, "__wrapped__", self.table._miss_runner)
-        if isinstance(miss, _GeneralVariant):
-            rows += miss.rows
-        return Report(rows)
+        for general in (getattr(background, "general", None), miss):
+            if isinstance(general, _GeneralVariant):
+                rows += general.rows
+        return CompileReport(rows)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background compiles (``compile="background"``); True when all are done.
+        Raises ``CompileError`` if one failed and ``on_compile_error`` is "raise"."""
+        background = self.program.attrs.get("background")
+        if background is None:
+            return True
+        if not background.done.wait(timeout):
+            return False
+        lowering = self.program.lowering
+        if background.errors and getattr(lowering, "on_compile_error", "raise") == "raise":
+            from shapewise.errors import CompileError
+
+            raise CompileError(f"{len(background.errors)} background compile(s) failed; the first: "
+                               f"{background.errors[0]}") from background.errors[0]
+        return True
 
     def __repr__(self) -> str:
         return f"<shapewise.Runnable {len(self.program.pieces)} pieces, {len(self.table)} dispatch entries>"

@@ -83,6 +83,17 @@ class DispatchTable:
         new._lock = threading.Lock()
         return new
 
+    def replace_runner(self, old: Callable[..., Any], new: Callable[..., Any]) -> None:
+        """Put ``new`` wherever ``old`` is (exact entries, memoised range hits, range cells):
+        how a lazily or background-compiled binding is swapped in. Safe while other threads
+        dispatch: each entry is replaced by one dict assignment."""
+        for key, fn in list(self.exact.items()):
+            if fn is old:
+                self.exact[key] = new
+        for cell, fn in list(self._cells.items()):
+            if fn is old:
+                self._cells[cell] = new
+
     def describe_key(self, key: tuple) -> str:
         return "{" + ", ".join(f"{self.names.get(s, str(s))}={v}" for s, v in zip(self.symbols, key)) + "}"
 

@@ -1,13 +1,23 @@
-"""Lower: compile every variant of every compute piece with a backend."""
+"""Lower: compile every variant of every compute piece with a backend.
+
+Pieces with the same content (see ``shapewise.graph_key``) compile once per binding and share
+the artifact; Inductor artifacts go through the on-disk cache (``shapewise.cache``). Variants
+compile up front (``compile="eager_all"``), on first use (``"lazy"``) or in a background thread
+(``"background"``); the last two are run by the dispatch table (``BuildDispatch``).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import logging
+import os
+import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,15 +25,18 @@ import torch
 import torch.fx
 
 from shapewise import _compat
+from shapewise.cache import ArtifactCache, resolve_cache
 from shapewise.errors import CompileError, ConfigError
 from shapewise.passes.base import Pass, register_pass
 from shapewise.passes.program import Binding, Piece, Program, Variant
 
-__all__ = ["BACKENDS", "Lower", "lower_variant"]
+__all__ = ["BACKENDS", "COMPILE_MODES", "CompileSession", "Lower", "lower_variant", "summary_line"]
 
 log = logging.getLogger("shapewise")
 
 BACKENDS = ("inductor", "eager", "aot_eager")
+COMPILE_MODES = ("eager_all", "lazy", "background")
+SOURCES = ("compiled", "reused", "cache", "fallback")
 
 
 def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -80,6 +93,191 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     return fn
 
 
+def _backend_id(backend: Any) -> tuple[str, bool]:
+    """(an id of the backend for keys, whether artifacts of it may go to disk)."""
+    if isinstance(backend, str):
+        return backend, backend == "inductor"
+    name = f"{getattr(backend, '__module__', '?')}.{getattr(backend, '__qualname__', type(backend).__qualname__)}"
+    return f"callable:{name}@{id(backend)}", False  # identity only holds in this process
+
+
+def summary_line(counts: Mapping[str, int], seconds: float, what: str = "") -> str:
+    """``"shapewise: 18 variants: 6 compiled, 12 reused, 0 from cache in 7.3 s"``."""
+    n = sum(counts.get(s, 0) for s in SOURCES)
+    line = (f"shapewise: {what}{n} variants: {counts.get('compiled', 0)} compiled, {counts.get('reused', 0)} reused, "
+            f"{counts.get('cache', 0)} from cache")
+    if counts.get("fallback"):
+        line += f", {counts['fallback']} fell back to eager"
+    return f"{line} in {seconds:.1f} s"
+
+
+class CompileSession:
+    """The compiles of one ``Lower`` run, shared with the dispatch table that runs the lazy and
+    background ones.
+
+    Each (piece, variant) gets a content key (graph key + binding over canonical symbols +
+    backend, options, grad mode; for Inductor also the build and Inductor's config). A key seen
+    before in this session is ``"reused"``; an Inductor artifact in the disk cache is loaded
+    (``"cache"``); anything else is ``"compiled"`` (and stored). Thread-safe: one compile per key.
+    """
+
+    def __init__(self, lower: Lower) -> None:
+        self.lower = lower
+        self.backend_id, cacheable = _backend_id(lower.backend)
+        self.cache = resolve_cache(lower.cache) if cacheable else None
+        self.results: dict[tuple[str, Binding], Variant] = {}
+        self.counts: dict[str, int] = dict.fromkeys(SOURCES, 0)
+        self._memo: dict[str, Callable[..., Any]] = {}
+        self._graph_keys: dict[int, Any] = {}
+        self._key_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.RLock()
+        self._build: dict[frozenset, str] = {}
+
+    # -- keys ------------------------------------------------------------------------------
+    def graph_key(self, piece: Piece):
+        """The piece's ``GraphKey`` (memoised per graph), or None if it cannot be keyed."""
+        from shapewise.graph_key import graph_key
+
+        with self._lock:
+            k = id(piece.gm)
+            if k not in self._graph_keys:
+                self._graph_keys[k] = (piece.gm, graph_key(piece.gm, piece.shapes))
+            return self._graph_keys[k][1]
+
+    def _build_part(self, piece: Piece) -> str:
+        from shapewise import __version__
+        from shapewise.passes.program import TensorMeta
+
+        devices = frozenset(str(m.device) for m in (piece.shapes.inputs if piece.shapes else ())
+                            if isinstance(m, TensorMeta))
+        with self._lock:
+            if devices not in self._build:
+                fp = _compat.build_fingerprint(sorted(devices))
+                fp["inductor_config"] = _compat.inductor_config_fingerprint()
+                fp["shapewise"] = __version__
+                self._build[devices] = repr(sorted(fp.items()))
+            return self._build[devices]
+
+    def variant_key(self, piece: Piece, variant: Variant) -> tuple[str | None, bool]:
+        """(content key of this compile or None, whether it may be stored on disk)."""
+        from shapewise.graph_key import binding_key
+
+        gk = self.graph_key(piece)
+        if gk is None:
+            return None, False
+        options = repr(sorted(self.lower.options_for(variant.binding).items()))
+        parts = [
+            "shapewise-variant/1",
+            f"graph={gk.digest}",
+            f"binding={binding_key(gk, piece.shapes, variant.binding)}",
+            f"static={variant.binding.is_static}",
+            f"grad={torch.is_grad_enabled()}",
+            f"backend={self.backend_id}",
+            f"options={options}",
+        ]
+        disk = self.cache is not None and " at 0x" not in options
+        if self.lower.backend == "inductor":
+            parts.append(f"build={self._build_part(piece)}")
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest(), disk
+
+    def _key_lock(self, key: str) -> threading.Lock:
+        with self._lock:
+            return self._key_locks.setdefault(key, threading.Lock())
+
+    # -- compiling -------------------------------------------------------------------------
+    def compile(self, piece: Piece, variant: Variant) -> Variant:
+        """``variant`` compiled (or reused, or loaded), with its report row."""
+        lower = self.lower
+        names = piece.shapes.names if piece.shapes else {}
+        t0 = time.perf_counter()
+        source, error = "compiled", None
+        key, disk = None, False
+        try:
+            key, disk = self.variant_key(piece, variant)
+            if key is None:
+                with _compat.compile_lock():
+                    fn = lower_variant(piece, variant, lower.backend, lower.options_for(variant.binding))
+            else:
+                # Dynamo's lock first (compiles patch process-wide state: one at a time, and
+                # never during a Dynamo trace), then this key's (one compile per key).
+                with _compat.compile_lock(), self._key_lock(key):
+                    fn = self._memo.get(key) if lower.dedupe else None
+                    if fn is not None:
+                        source = "reused"
+                    elif disk:
+                        info = {"piece": piece.name, "binding": variant.binding.describe(names),
+                                "backend": self.backend_id}
+                        fn, source = self.cache.compile_or_load(
+                            key, lambda: lower_variant(piece, variant, lower.backend,
+                                                       lower.options_for(variant.binding)), info)
+                    else:
+                        fn = lower_variant(piece, variant, lower.backend, lower.options_for(variant.binding))
+                    if lower.dedupe:
+                        self._memo[key] = fn
+        except Exception as e:  # noqa: BLE001 - reported with context below
+            msg = (f"compiling {piece.name} for {variant.binding.describe(names)} with backend "
+                   f"{lower.backend_name!r} failed: {type(e).__name__}: {e}")
+            if lower.on_compile_error != "fallback":
+                raise CompileError(msg) from e
+            log.warning("shapewise: %s; running this variant eagerly instead", msg)
+            fn, source, error = piece.gm.forward, "fallback", f"{type(e).__name__}: {e}"
+        report = {
+            "piece": piece.name,
+            "key": variant.binding.describe(names),
+            "static": variant.binding.is_static,
+            "seconds": time.perf_counter() - t0,
+            "source": source,
+            "backend": lower.backend_name,
+            "artifact": key[:12] if key else None,
+        }
+        if error:
+            report["error"] = error
+        out = dataclasses.replace(variant, compiled=fn, report=report)
+        with self._lock:
+            self.counts[source] += 1
+            self.results[(piece.name, variant.binding)] = out
+        return out
+
+    def compile_all(self, pieces: Sequence[Piece]) -> tuple[Piece, ...]:
+        """Every variant of every compute piece, with a progress bar and a summary log line."""
+        todo = sum(len(p.variants) for p in pieces if not p.is_splitting)
+        t0 = time.perf_counter()
+        before = dict(self.counts)
+        out = []
+        with self.progress(todo) as bar:
+            for p in pieces:
+                if p.is_splitting:
+                    out.append(p)
+                    continue
+                variants = []
+                for v in p.variants:
+                    variants.append(self.compile(p, v))
+                    bar.update(1)
+                out.append(dataclasses.replace(p, variants=tuple(variants)))
+        if todo:
+            log.info("%s", summary_line({k: self.counts[k] - before.get(k, 0) for k in SOURCES},
+                                        time.perf_counter() - t0))
+        return tuple(out)
+
+    def compile_binding(self, pieces: Iterable[Piece], binding: Binding) -> dict[str, Callable[..., Any]]:
+        """Compile every compute piece's variant for ``binding``: {piece name: callable};
+        splitting pieces (and pieces without such a variant) run as they are."""
+        out = {}
+        for p in pieces:
+            v = None if p.is_splitting else p.variant_for(binding)
+            out[p.name] = p.gm.forward if v is None else self.compile(p, v).compiled
+        return out
+
+    def progress(self, total: int):
+        """A tqdm bar over ``total`` variants: shown on a terminal (``progress=None``), always
+        (``True``) or never (``False``); quiet for fewer than two variants."""
+        from tqdm import tqdm
+
+        want = self.lower.progress
+        show = total >= 2 and (want is True or (want is None and sys.stderr.isatty()))
+        return tqdm(total=total, disable=not show, desc="shapewise", unit="variant", leave=False)
+
+
 @register_pass
 @dataclass(frozen=True)
 class Lower(Pass):
@@ -89,6 +287,13 @@ class Lower(Pass):
     ``options`` go to every Inductor compile; ``static_options`` only to single-size variants
     (e.g. ``{"max_autotune": True}``) and ``range_options`` only to range variants.
     ``on_compile_error="fallback"`` runs a variant that fails to compile eagerly instead.
+
+    ``compile``: ``"eager_all"`` (every variant now), ``"lazy"`` (each binding on its first
+    call) or ``"background"`` (calls served at once by a general dynamic variant, or eagerly
+    until that is ready, while the variants compile in a background thread).
+    ``dedupe``: pieces with the same content share one artifact per binding.
+    ``cache``: None (the default folder unless ``SHAPEWISE_CACHE=0``), False, True or a folder;
+    only Inductor artifacts are cached. ``progress``: None (a bar on a terminal), True, False.
     """
 
     name: ClassVar[str] = "lower"
@@ -97,6 +302,10 @@ class Lower(Pass):
     static_options: Any = ()
     range_options: Any = ()
     on_compile_error: str = "raise"
+    compile: str = "eager_all"
+    cache: Any = None
+    dedupe: bool = True
+    progress: Any = None
 
     def __post_init__(self) -> None:
         if not callable(self.backend) and self.backend not in BACKENDS:
@@ -104,6 +313,14 @@ class Lower(Pass):
                 f"unknown backend {self.backend!r}: use one of {BACKENDS} or a callable(gm, example_inputs)")
         if self.on_compile_error not in ("raise", "fallback"):
             raise ConfigError(f"on_compile_error must be 'raise' or 'fallback', got {self.on_compile_error!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        if not isinstance(self.cache, (type(None), bool, str, os.PathLike, ArtifactCache)) or self.cache == "":
+            raise ConfigError(f"cache must be None (default), True, False or a folder path, got {self.cache!r}")
+        if not isinstance(self.dedupe, bool):
+            raise ConfigError(f"dedupe must be True or False, got {self.dedupe!r}")
+        if self.progress not in (None, True, False):
+            raise ConfigError(f"progress must be None (auto: on a terminal), True or False, got {self.progress!r}")
         for f in ("options", "static_options", "range_options"):
             v = getattr(self, f)
             object.__setattr__(self, f, tuple(sorted(dict(v).items())) if v else ())
@@ -111,6 +328,11 @@ class Lower(Pass):
     @property
     def backend_name(self) -> str:
         return self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "callable")
+
+    @property
+    def deferred(self) -> bool:
+        """True when variants compile after this pass (lazy or background)."""
+        return self.compile != "eager_all"
 
     def options_for(self, binding: Binding) -> dict[str, Any]:
         extra = self.static_options if binding.is_static else self.range_options
@@ -124,38 +346,25 @@ class Lower(Pass):
             needs.append(Concretize())
         return needs
 
-    def compile_variant(self, piece: Piece, variant: Variant) -> Variant:
-        t0 = time.perf_counter()
-        source = "compiled"
-        error = None
-        try:
-            fn = lower_variant(piece, variant, self.backend, self.options_for(variant.binding))
-        except Exception as e:  # noqa: BLE001 - reported with context below
-            names = piece.shapes.names if piece.shapes else {}
-            msg = (f"compiling {piece.name} for {variant.binding.describe(names)} with backend "
-                   f"{self.backend_name!r} failed: {type(e).__name__}: {e}")
-            if self.on_compile_error != "fallback":
-                raise CompileError(msg) from e
-            log.warning("shapewise: %s; running this variant eagerly instead", msg)
-            fn, source, error = piece.gm.forward, "fallback", f"{type(e).__name__}: {e}"
-        seconds = time.perf_counter() - t0
-        report = {
-            "piece": piece.name,
-            "key": variant.binding.describe(piece.shapes.names if piece.shapes else {}),
-            "static": variant.binding.is_static,
-            "seconds": seconds,
-            "source": source,
-            "backend": self.backend_name,
-        }
-        if error:
-            report["error"] = error
-        return dataclasses.replace(variant, compiled=fn, report=report)
+    def session(self) -> CompileSession:
+        """A fresh compile session (dedupe memo, cache, counters) for this pass's options."""
+        return CompileSession(self)
+
+    def compile_variant(self, piece: Piece, variant: Variant, session: CompileSession | None = None) -> Variant:
+        """Compile one variant (through ``session`` when given: dedupe and cache)."""
+        return (session or self.session()).compile(piece, variant)
 
     def apply(self, program: Program) -> Program:
-        pieces = []
-        for p in program.pieces:
-            if p.is_splitting:
-                pieces.append(p)
-                continue
-            pieces.append(dataclasses.replace(p, variants=tuple(self.compile_variant(p, v) for v in p.variants)))
-        return program.replace(pieces=tuple(pieces), lowering=self)
+        session = self.session()
+        if self.deferred:
+            pieces = tuple(p if p.is_splitting else dataclasses.replace(
+                p, variants=tuple(dataclasses.replace(v, compiled=None, report=self._pending_row(p, v))
+                                  for v in p.variants)) for p in program.pieces)
+        else:
+            pieces = session.compile_all(program.pieces)
+        return program.replace(pieces=pieces, lowering=self).with_attrs(compile_session=session)
+
+    def _pending_row(self, piece: Piece, variant: Variant) -> dict[str, Any]:
+        return {"piece": piece.name, "key": variant.binding.describe(piece.shapes.names if piece.shapes else {}),
+                "static": variant.binding.is_static, "seconds": 0.0, "source": "pending",
+                "backend": self.backend_name, "artifact": None}
