@@ -225,10 +225,13 @@ def draw_split(program: Program, path: Any = None, ax: Any = None, dpi: int = 10
     inputs). With ``path``, the figure is also saved there (PNG unless the suffix says
     otherwise); with ``ax``, it is drawn into that Axes.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
-    from matplotlib.path import Path
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+        from matplotlib.path import Path
+    except ImportError as e:
+        raise ImportError(f"drawing the split needs matplotlib (pip install matplotlib): {e}") from e
 
     g = split_graph(program)
     order = list(g.nodes)

@@ -72,7 +72,9 @@ class Dump(Instrument):
     as ``split.png`` (always) and ``split.dot`` + ``split.svg`` (only where graphviz's
     ``dot`` is on PATH). Compiled variants whose backend left code (Inductor) add
     ``piece_i.<binding>.py``. ``folder/pipeline.txt`` lists the stages. No timings are
-    written, so the same run gives the same files.
+    written, so the same run gives the same files. A new ``Dump`` first removes the stage
+    folders of an earlier dump there (nothing else); one reused for a second run keeps
+    numbering after the first.
     """
 
     folder: str | Path = "shapewise-dump"
@@ -105,8 +107,6 @@ class Dump(Instrument):
             self.count = 1
 
     def after_pass(self, p: Pass, program: Program, seconds: float) -> None:
-        if self.count == 0:  # after_pass without before_pass: a program handed in directly
-            self.before_pass(p, program)
         self.write(program, self._stage_dir(p.name))
         self._log(f"{self.count:02d} {p.spec()}")
         self.count += 1
