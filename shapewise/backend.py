@@ -177,7 +177,7 @@ class ShapewiseModule:
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}
         self.runnables: list[Runnable] = []
-        self._background: Any = None  # compile="background": its thread, while it runs
+        self._watch: Any = None  # compile="lazy" / "background": whether compiles may still run
         self._lock = threading.Lock()
         self._local = threading.local()
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
@@ -224,15 +224,15 @@ class ShapewiseModule:
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
                                                           "on_miss": self._on_miss})
         self.runnables.append(runnable)
-        self._background = runnable.program.attrs.get("background", self._background)
+        self._watch = runnable.program.attrs.get("compile_watch", self._watch)
         return runnable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             if self.runnables:
                 try:
-                    if self._background is not None and not self._background.done.is_set():
-                        with _compat.calls_during_fx_trace():  # a background compile may be tracing
+                    if self._watch is not None and self._watch.active:
+                        with _compat.calls_during_fx_trace():  # a lazy / background compile may be tracing
                             return self._compiled(*args, **kwargs)
                     return self._compiled(*args, **kwargs)
                 except Exception as e:

@@ -176,6 +176,7 @@ class ArtifactCache:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root).expanduser().absolute()
         self.hits = self.misses = self.stores = self.corrupt = 0
+        self._save_failures = 0
 
     def __repr__(self) -> str:
         return f"ArtifactCache({str(self.root)!r})"
@@ -217,7 +218,10 @@ class ArtifactCache:
             entry = self.read(key)
             if entry is None:
                 return None
-            _compat.install_kernel_binaries(entry.kernels)
+            try:
+                _compat.install_kernel_binaries(entry.kernels)
+            except (ValueError, OSError) as e:
+                raise CacheCorrupt(f"its kernel libraries cannot be installed ({e})") from None
             try:
                 fn = _compat.load_artifact(entry.sections["inductor"], self._tmpdir())
             except Exception as e:  # noqa: BLE001 - Inductor asserts on a foreign build
@@ -263,7 +267,10 @@ class ArtifactCache:
                 sections[f"kernel:{rel}"] = data
             self.write(key, sections, info)
         except Exception as e:  # noqa: BLE001 - a cache that cannot save must not fail the compile
-            log.warning("shapewise: could not save artifact %s... to the cache (%s: %s)", key[:12], type(e).__name__, e)
+            self._save_failures += 1
+            (log.warning if self._save_failures == 1 else log.debug)(
+                "shapewise: could not save artifact %s... to the cache (%s: %s); the compiled artifact is used, "
+                "it just will not be there next time", key[:12], type(e).__name__, e)
             return False
         return True
 

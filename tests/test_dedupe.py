@@ -233,6 +233,33 @@ def test_lazy_concurrent_first_calls_compile_once():
     assert len(n_calls) == 2  # one per binding, however many threads asked
 
 
+def test_lazy_compile_while_another_thread_calls():
+    # Thread B's first call of n=4 compiles with aot_eager (FX tracing) while this thread
+    # keeps calling n=2 through the torch.compile'd model.
+    model = ToyTransformer(layers=2)
+    fast = program_of(model, sizes=[2, 4, 8], backend="aot_eager", compile="lazy")
+    x2, x4, x8 = (torch.randint(0, 64, (n,)) for n in (2, 4, 8))
+    assert_same(fast(x2), model(x2))
+    errors: list[BaseException] = []
+
+    def first_calls():
+        try:
+            for x in (x4, x8):
+                assert_same(fast(x), model(x))
+        except BaseException as e:  # noqa: BLE001 - collected for the assert
+            errors.append(e)
+
+    t = threading.Thread(target=first_calls)
+    t.start()
+    calls = 0
+    while t.is_alive():
+        assert_same(fast(x2), model(x2))
+        calls += 1
+    t.join()
+    assert not errors, errors
+    assert calls > 0 and sources(fast.report()) == {"compiled": 9}
+
+
 def test_background_never_blocks_a_call():
     delay = 1.0
     windows: list[tuple[float, float]] = []

@@ -20,7 +20,7 @@ from shapewise.passes.base import Pass, PassRecord, register_pass
 from shapewise.passes.display import REPORT_COLUMNS, Report
 from shapewise.passes.program import Binding, Program
 
-__all__ = ["BuildDispatch", "CompileReport", "Runnable", "make_runner"]
+__all__ = ["BuildDispatch", "CompileReport", "CompileWatch", "Runnable", "make_runner"]
 
 log = logging.getLogger("shapewise")
 
@@ -106,12 +106,13 @@ class BuildDispatch(Pass):
         mode = getattr(program.lowering, "compile", "eager_all") if session is not None else "eager_all"
         deferred: dict[Binding, tuple[_Deferred, Callable[..., Any]]] = {}
         background = None
+        watch = CompileWatch()
         for b in program.bindings:
             if mode != "eager_all" and any(p.variant_for(b) is not None and p.variant_for(b).compiled is None
                                            for p in program.compute_pieces):
                 if mode == "background" and background is None:
-                    background = _Background(program, session)
-                d = _Deferred(_binding_builder(program, session, b) if mode == "lazy" else None, background)
+                    background = watch.background = _Background(program, session)
+                d = _Deferred(_binding_builder(program, session, b) if mode == "lazy" else None, background, watch)
                 runner = guards.wrap(b, d)
                 deferred[b] = (d, runner)
             else:
@@ -134,8 +135,9 @@ class BuildDispatch(Pass):
             d.on_ready = _swapper(table, guards, b, entry)
         if background is not None:
             background.start({b: d for b, (d, _) in deferred.items()})
-            return program.replace(dispatch=table).with_attrs(background=background)
-        return program.replace(dispatch=table)
+            return program.replace(dispatch=table).with_attrs(background=background, compile_watch=watch)
+        return program.replace(dispatch=table).with_attrs(compile_watch=watch) if deferred else \
+            program.replace(dispatch=table)
 
 
 def _binding_builder(program: Program, session: Any, binding: Binding) -> Callable[[], Callable[..., Any]]:
@@ -161,6 +163,26 @@ def _swapper(table: DispatchTable, guards: InputGuards, binding: Binding,
     return swap
 
 
+class CompileWatch:
+    """Whether compiles can still happen while this runnable is called (a lazy binding not
+    compiled yet, a background thread still running): ``shapewise.compile`` then lets calls
+    pass Dynamo while another thread's compile is tracing (``_compat.calls_during_fx_trace``)."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.background: _Background | None = None
+        self._lock = threading.Lock()
+
+    def done_one(self) -> None:
+        with self._lock:
+            self.pending -= 1
+
+    @property
+    def active(self) -> bool:
+        bg = self.background
+        return self.pending > 0 or (bg is not None and not bg.done.is_set())
+
+
 class _Deferred:
     """A binding's runner until its variants are compiled: ``lazy`` compiles them on the first
     call (that call waits; concurrent callers of the same binding wait for the same compile);
@@ -168,17 +190,21 @@ class _Deferred:
     thread hands in the real runner. Once ready it forwards, and the table entry is swapped
     for the real runner so later calls skip this object."""
 
-    def __init__(self, build: Callable[[], Callable[..., Any]] | None, fallback: Callable[..., Any] | None) -> None:
+    def __init__(self, build: Callable[[], Callable[..., Any]] | None, fallback: Callable[..., Any] | None,
+                 watch: CompileWatch) -> None:
         self.build = build
         self.fallback = fallback
         self.final: Callable[..., Any] | None = None
         self.on_ready: Callable[[Callable[..., Any]], None] | None = None
+        self.watch = watch
         self._lock = threading.Lock()
+        watch.pending += 1
 
     def ready(self, runner: Callable[..., Any]) -> None:
         self.final = runner
         if self.on_ready is not None:
             self.on_ready(runner)
+        self.watch.done_one()
 
     def __call__(self, *args: Any) -> Any:
         fn = self.final

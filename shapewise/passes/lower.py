@@ -192,11 +192,14 @@ class CompileSession:
         t0 = time.perf_counter()
         source, error = "compiled", None
         key, disk = None, False
+        def compile_it() -> Callable[..., Any]:
+            return lower_variant(piece, variant, lower.backend, lower.options_for(variant.binding))
+
         try:
             key, disk = self.variant_key(piece, variant)
             if key is None:
                 with _compat.compile_lock():
-                    fn = lower_variant(piece, variant, lower.backend, lower.options_for(variant.binding))
+                    fn = compile_it()
             else:
                 # Dynamo's lock first (compiles patch process-wide state: one at a time, and
                 # never during a Dynamo trace), then this key's (one compile per key).
@@ -207,11 +210,9 @@ class CompileSession:
                     elif disk:
                         info = {"piece": piece.name, "binding": variant.binding.describe(names),
                                 "backend": self.backend_id}
-                        fn, source = self.cache.compile_or_load(
-                            key, lambda: lower_variant(piece, variant, lower.backend,
-                                                       lower.options_for(variant.binding)), info)
+                        fn, source = self.cache.compile_or_load(key, compile_it, info)
                     else:
-                        fn = lower_variant(piece, variant, lower.backend, lower.options_for(variant.binding))
+                        fn = compile_it()
                     if lower.dedupe:
                         self._memo[key] = fn
         except Exception as e:  # noqa: BLE001 - reported with context below

@@ -1,0 +1,275 @@
+"""Cold start, warm start and the dedupe win, in one run.
+
+For each layer count (default 2, 8, 32) of a ToyTransformer split at its attention op, in fresh
+processes:
+  cold   -- empty shapewise cache, empty Inductor cache: the first call traces and compiles
+            every variant (dedupe on: identical layers share artifacts);
+  warm   -- a fresh process with the shapewise cache the cold run filled and an *empty*
+            Inductor cache (so Inductor's own caches hide nothing);
+  warm+  -- as warm, but Inductor's one-time per-cache-folder warm-up (on CPU: compiling and
+            loading its vector-ISA probes) is run and timed first, so what is left is
+            shapewise's own loading;
+and once, for the middle layer count, cold with ``dedupe=False, cache=False`` (each piece goes
+to Inductor, whose own FX graph cache still shares the identical ones), and the same with
+Inductor's FX graph and AOTAutograd caches off too (every piece really compiled).
+
+Times are the wall time of the first call (trace + compile or load + run), measured inside the
+child; each child also checks every size against eager. ``--repeats`` runs everything that many
+times, interleaved, and reports medians (all samples are in the JSON). Writes
+``cold_start_<device>.json`` and ``cold_start_<device>.md`` to ``--out``, naming the CPU / GPU,
+torch version and date.
+
+    python benchmarks/bench_cold_start.py --out benchmarks/results                  # CPU
+    PYTHONPATH=. python3 benchmarks/bench_cold_start.py --device cuda --out benchmarks/results
+    python benchmarks/bench_cold_start.py --quick --out /tmp/cold                   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["main"]
+
+
+# -- the child: one measurement in a fresh process ----------------------------------------------
+
+def child(cfg: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    import torch
+
+    import shapewise as sw
+    from shapewise.models import ATTENTION_OP, ToyTransformer
+
+    import_s = time.perf_counter() - t0
+    device = torch.device(cfg["device"])
+    dtype = getattr(torch, cfg["dtype"])
+    torch.manual_seed(0)
+    model = ToyTransformer(vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"], hidden=cfg["hidden"],
+                           layers=cfg["layers"]).to(device=device, dtype=dtype).eval()
+    fast = sw.compile(model, sizes=cfg["sizes"], ranges=[tuple(r) for r in cfg["ranges"]],
+                      splitting_ops=[ATTENTION_OP], backend="inductor", dedupe=cfg["dedupe"],
+                      cache=cfg.get("cache", None), progress=False)
+    out: dict[str, Any] = {"import_s": import_s}
+    if cfg.get("inductor_warmup"):
+        t = time.perf_counter()
+        warm = _inductor_warmup(device)
+        out["inductor_warmup_s"] = time.perf_counter() - t
+        out["inductor_warmup"] = warm
+    ids = {n: torch.randint(0, cfg["vocab"], (n,), device=device) for n in cfg["check"]}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        first = cfg["check"][0]
+        t = time.perf_counter()
+        fast(ids[first])
+        sync()
+        out["first_call_s"] = time.perf_counter() - t
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        out["correct"] = all(torch.allclose(fast(x).float(), model(x).float(), rtol=tol, atol=tol)
+                             for x in ids.values())
+    total = fast.report().total
+    out.update({k: total.get(k, 0) for k in ("variants", "compiled", "reused", "cache", "fallback")})
+    out["variant_seconds"] = total["seconds"]
+    out["pieces"] = len(fast.program.compute_pieces)
+    return out
+
+
+def _inductor_warmup(device) -> str:
+    """Inductor's per-cache-folder warm-up, outside shapewise: on CPU its vector-ISA probes."""
+    if device.type != "cpu":
+        return "none needed"
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa())
+
+
+# -- the parent: orchestrate fresh processes ------------------------------------------------------
+
+def run_child(cfg: dict[str, Any], sw_cache: Path, inductor_cache: Path,
+              extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    env = {**os.environ, "SHAPEWISE_CACHE_DIR": str(sw_cache), "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           **(extra_env or {})}
+    env.pop("SHAPEWISE_CACHE", None)
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=cfg["timeout"])
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"child {cfg['run']} L={cfg['layers']} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_s"] = wall
+    return result
+
+
+def _median(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sample with the median first-call time (its other fields stay consistent)."""
+    ordered = sorted(samples, key=lambda r: r["first_call_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def hardware(device: str) -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "load_average_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return info
+
+
+def table(results: dict[str, Any]) -> str:
+    hw, cfg = results["hardware"], results["config"]
+    lines = [
+        f"# Cold vs warm start ({cfg['device']})",
+        "",
+        f"{hw.get('gpu', hw['cpu'])} ({hw['cpu_count']} CPU cores); torch {hw['torch']}; {hw['date']}; "
+        f"load average at start {hw['load_average_1m_at_start']}",
+        f"ToyTransformer(dim={cfg['dim']}, hidden={cfg['hidden']}, heads={cfg['heads']}, vocab={cfg['vocab']}, "
+        f"{cfg['dtype']}), split at its attention op; sizes {cfg['sizes']}, ranges {cfg['ranges']}.",
+        "Seconds of the first call (Dynamo trace + compile or load of every variant + one run), in a fresh "
+        "process; median of {repeats} run(s). warm: shapewise cache full, Inductor cache empty. warm+: the same "
+        "after Inductor's one-time per-cache-folder warm-up (timed separately; on CPU its vector-ISA probes, "
+        "which TORCHINDUCTOR_VEC_ISA_OK=1 skips).".format(repeats=cfg.get("repeats", 1)),
+        "",
+        "| layers | compute pieces | variants | cold s | compiled / reused | warm s | warm / cold | "
+        "Inductor warm-up s | warm+ s | warm+ / cold | cold / cold(2 layers) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = results["runs"][0]["cold"]["first_call_s"]
+    for r in results["runs"]:
+        c, w, wp = r["cold"], r["warm"], r["warm_plus"]
+        lines.append(
+            f"| {r['layers']} | {c['pieces']} | {c['variants']} | {c['first_call_s']:.1f} | "
+            f"{c['compiled']} / {c['reused']} | {w['first_call_s']:.1f} | "
+            f"{w['first_call_s'] / c['first_call_s']:.0%} | "
+            f"{wp.get('inductor_warmup_s', 0):.1f} | {wp['first_call_s']:.1f} | "
+            f"{wp['first_call_s'] / c['first_call_s']:.0%} | {c['first_call_s'] / base:.2f}x |")
+    if results.get("no_dedupe"):
+        nd, nd2 = results["no_dedupe"], results.get("no_dedupe_no_inductor_cache")
+        same = next(r for r in results["runs"] if r["layers"] == nd["layers"])["cold"]
+        lines += ["", f"Dedupe, {nd['layers']} layers, cold: with dedupe {same['first_call_s']:.1f} s "
+                      f"({same['compiled']} pieces compiled); without ({nd['compiled']} pieces sent to Inductor, "
+                      f"whose FX graph cache still shares identical ones) {nd['first_call_s']:.1f} s"
+                  + (f"; without, Inductor's caches off too {nd2['first_call_s']:.1f} s." if nd2 else ".")]
+    t = results["targets"]
+    lines += ["", "Targets (issue 3): warm start <= 10% of cold: "
+              f"{'met' if t['warm_le_10pct'] else 'NOT met'} (worst warm/cold {t['worst_warm_ratio']:.0%}; "
+              f"after Inductor's warm-up {t['worst_warm_plus_ratio']:.0%}); "
+              f"{t['big_layers']}-layer cold <= 1.3x {t['small_layers']}-layer cold: "
+              f"{'met' if t['big_le_1_3x'] else 'NOT met'} ({t['big_over_small']:.2f}x).",
+              "", "Every run checked every size against eager: "
+              + ("all correct." if results["all_correct"] else "SOME WRONG (see JSON).")]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the JSON and table")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--layers", default="2,8,32", help="layer counts (default 2,8,32)")
+    parser.add_argument("--sizes", default="1,2,4,8,16", help="static sizes (default 1,2,4,8,16)")
+    parser.add_argument("--ranges", default="17-256", help="ranges lo-hi,... (default 17-256; '' for none)")
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (CUDA default)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the dedupe=False cold run")
+    parser.add_argument("--quick", action="store_true", help="layers 2,4; sizes 1,4; no range (smoke test)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of everything, interleaved; medians reported")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+    if args.quick:
+        args.layers, args.sizes, args.ranges = "2,4", "1,4", ""
+    layers = [int(x) for x in args.layers.split(",") if x]
+    if not layers:
+        parser.error("--layers needs at least one layer count")
+    sizes = [int(x) for x in args.sizes.split(",") if x]
+    ranges = [[int(v) for v in r.split("-")] for r in args.ranges.split(",") if r]
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    base_cfg = {"device": args.device, "dtype": dtype, "dim": args.dim, "hidden": args.hidden, "heads": args.heads,
+                "vocab": args.vocab, "sizes": sizes, "ranges": ranges, "dedupe": True, "timeout": args.timeout,
+                "check": sizes + [r[0] for r in ranges] + [r[1] for r in ranges]}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"hardware": hardware(args.device),
+                               "config": {**base_cfg, "layers": layers, "repeats": args.repeats}, "runs": []}
+    samples: dict[int, dict[str, list[dict[str, Any]]]] = {n: {"cold": [], "warm": [], "warm_plus": []}
+                                                           for n in layers}
+    with tempfile.TemporaryDirectory(prefix="shapewise-bench-") as tmp:
+        tmp_path = Path(tmp)
+        for rep in range(args.repeats):
+            for n in layers:
+                cfg = {**base_cfg, "layers": n}
+                sw_cache = tmp_path / f"sw-{n}-{rep}"
+                for name, extra in (("cold", {}), ("warm", {}), ("warm_plus", {"inductor_warmup": True})):
+                    r = run_child({**cfg, **extra, "run": name}, sw_cache, tmp_path / f"inductor-{n}-{name}-{rep}")
+                    samples[n][name].append(r)
+                    print(f"[{rep + 1}/{args.repeats}] L={n:3d} {name:9s} first call {r['first_call_s']:7.1f} s  "
+                          f"compiled {r['compiled']:3d}  reused {r['reused']:3d}  cache {r['cache']:3d}  "
+                          f"correct {r['correct']}", flush=True)
+        for n in layers:
+            results["runs"].append({"layers": n, **{k: _median(v) for k, v in samples[n].items()},
+                                    "samples": samples[n]})
+        if not args.no_baseline and len(layers) > 1:
+            n = layers[len(layers) // 2] if len(layers) > 2 else layers[-1]
+            cfg = {**base_cfg, "layers": n, "dedupe": False, "cache": False, "run": "no_dedupe"}
+            results["no_dedupe"] = {"layers": n, **run_child(cfg, tmp_path / "sw-nd", tmp_path / "ind-nd")}
+            print(f"L={n:3d} no dedupe: first call {results['no_dedupe']['first_call_s']:7.1f} s", flush=True)
+            off = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+            results["no_dedupe_no_inductor_cache"] = {
+                "layers": n, **run_child({**cfg, "run": "no_dedupe_no_inductor_cache"}, tmp_path / "sw-nd2",
+                                         tmp_path / "ind-nd2", off)}
+            print(f"L={n:3d} no dedupe, no Inductor cache: first call "
+                  f"{results['no_dedupe_no_inductor_cache']['first_call_s']:7.1f} s", flush=True)
+    runs = results["runs"]
+    small, big = runs[0], runs[-1]
+    worst = max(r["warm"]["first_call_s"] / r["cold"]["first_call_s"] for r in runs)
+    worst_plus = max(r["warm_plus"]["first_call_s"] / r["cold"]["first_call_s"] for r in runs)
+    ratio = big["cold"]["first_call_s"] / small["cold"]["first_call_s"]
+    results["targets"] = {"warm_le_10pct": worst <= 0.10, "worst_warm_ratio": worst,
+                          "worst_warm_plus_ratio": worst_plus, "big_layers": big["layers"],
+                          "small_layers": small["layers"], "big_over_small": ratio, "big_le_1_3x": ratio <= 1.3}
+    results["all_correct"] = all(x["correct"] for r in runs for k in ("cold", "warm", "warm_plus")
+                                 for x in r["samples"][k]) and \
+        all(results.get(k, {}).get("correct", True) for k in ("no_dedupe", "no_dedupe_no_inductor_cache"))
+    stem = out_dir / f"cold_start_{args.device}"
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(table(results))
+    print(table(results))
+    print(f"wrote {stem}.json and {stem}.md")
+    return 0 if results["all_correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
