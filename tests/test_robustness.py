@@ -4,10 +4,14 @@ library bug found while fuzzing (tests/test_fuzz.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import sympy
 import torch
 
 import shapewise as sw
+from shapewise.concretize import check_binding
 from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
 from tests.conftest import assert_same
 from tests.helpers import dynamo_graph
@@ -44,6 +48,42 @@ def test_regression_a_contiguous_call_after_a_strided_one_still_dispatches():
         assert_same(fast(x), model(x), f"{tuple(x.shape)} {x.stride()}")
     assert fast.traces == 2
     assert all(len(r.program.shapes.symbols) == 1 for r in fast.runnables)
+
+
+def test_regression_a_range_that_ends_at_a_refused_size_fails_before_compiling():
+    # Found by the fuzzer: reshaping a transposed tensor guards n != 1 in the trace. A range
+    # from 1 passed Concretize (only single sizes met the guards) and its compile failed later,
+    # or, with a backend that does not trace again (eager), not at all.
+    def f(x):
+        return x.t().reshape(1, -1) * 2
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    fast = sw.compile(f, ranges=[(1, 8)], backend=backend)
+    with pytest.raises(sw.GuardViolation, match=r"range \{n=1..8\} ends at the size \{n=1\}, which contradicts "
+                                                r"the trace's guard `Ne\(n, 1\)`"):
+        fast(torch.randn(4, 3))
+    assert compiled == []
+    fast = sw.compile(f, ranges=[(2, 8), (9, 100)], backend=backend)
+    x = torch.randn(50, 3)
+    assert_same(fast(x), f(x))
+    # A guard that only sizes inside the range break (odd sizes under n % 2 == 0) leaves the
+    # range alone: those sizes are the model's to refuse.
+    program = sw.AnalyzeShapes()(dynamo_graph(lambda x: x * 2, torch.randn(6, 3)))
+    (s,) = program.shapes.symbols
+    for guard, box, refused in ((sympy.Ne(s, 37), (37, 100), True), (sympy.Ne(s, 37), (2, 100), False),
+                                (sympy.Eq(sympy.Mod(s, 2), 0), (10, 64), False),
+                                (sympy.Eq(sympy.Mod(s, 2), 0), (9, 64), True)):
+        shapes = dataclasses.replace(program.shapes, guards=((guard, ""),))
+        if refused:
+            with pytest.raises(sw.GuardViolation, match="ends at the size"):
+                check_binding(shapes, sw.Binding.of({s: box}))
+        else:
+            check_binding(shapes, sw.Binding.of({s: box}))
 
 
 # -- 1. inputs a variant was not compiled for, through sw.compile ------------------------------

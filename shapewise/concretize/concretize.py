@@ -302,32 +302,56 @@ def _check_overlap(bindings: Sequence[Binding], shapes: ShapeInfo) -> None:
             )
 
 
+def _guard_text(shapes: ShapeInfo, guard: Any) -> str:
+    named = str(guard)
+    for s in shapes.symbols:
+        named = named.replace(str(s), shapes.name_of(s)) if s in shapes.names else named
+    return named
+
+
+def _holds(guard: Any, values: Mapping[sympy.Symbol, int]) -> bool | None:
+    """Whether ``guard`` holds at ``values`` (None: not decidable from them)."""
+    try:
+        return bool(sympy.sympify(guard).xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+    except TypeError:
+        return None
+
+
+def _range_corners(binding: Binding) -> list[dict[sympy.Symbol, int]]:
+    """The corners of a range binding's box (its sizes at either end of every range)."""
+    ends = [[v] if isinstance(v, int) else sorted({v[0], v[1]}) for _, v in binding.items]
+    return [dict(zip([s for s, _ in binding.items], combo)) for combo in itertools.product(*ends)]
+
+
 def check_binding(shapes: ShapeInfo, binding: Binding) -> None:
-    """Refuse a binding that contradicts the trace's guards or proven value ranges."""
+    """Refuse a binding that contradicts the trace's guards or proven value ranges. A range is
+    checked at its ends (the sizes it names), so ``(1, 8)`` under a guard ``n != 1`` fails here,
+    before any compile; sizes inside it that a guard refuses (odd ones under ``n % 2 == 0``) are
+    the model's to refuse at run time (behind Dynamo, its guards trace them again)."""
     for s, v in binding.items:
         lo, hi = shapes.ranges.get(s, (None, None))
         vlo, vhi = (v, v) if isinstance(v, int) else v
         if (lo is not None and vlo < lo) or (hi is not None and vhi > hi):
             raise GuardViolation(
-                f"size {shapes.name_of(s)}={v} is outside the range the trace allows for it "
-                f"[{lo}, {hi if hi is not None else 'inf'}]"
+                f"size {shapes.name_of(s)}={v if isinstance(v, int) else f'{vlo}..{vhi}'} is outside the range "
+                f"the trace allows for it [{lo}, {hi if hi is not None else 'inf'}]"
             )
-    if not binding.is_static:
-        return
-    values = binding.static_values()
-    for guard, where in shapes.guards:
-        try:
-            ok = bool(sympy.sympify(guard).xreplace({s: sympy.Integer(v) for s, v in values.items()}))
-        except TypeError:
-            continue  # not decidable from the bound symbols alone
-        if not ok:
-            named = str(guard)
-            for s in shapes.symbols:
-                named = named.replace(str(s), shapes.name_of(s)) if s in shapes.names else named
+    guards = [sympy.sympify(g) for g, _ in shapes.guards]
+    points = [binding.static_values()] if binding.is_static else _range_corners(binding)
+    for (guard, where), g in zip(shapes.guards, guards):
+        for values in points:
+            if _holds(g, values) is not False:
+                continue
+            where_text = f" (from: {where})" if where else ""
+            if binding.is_static:
+                raise GuardViolation(
+                    f"size {binding.describe(shapes.names)} contradicts the trace's guard "
+                    f"`{_guard_text(shapes, guard)}`{where_text}; choose sizes that satisfy it"
+                )
+            at = Binding(tuple((s, values[s]) for s, _ in binding.items)).describe(shapes.names)
             raise GuardViolation(
-                f"size {binding.describe(shapes.names)} contradicts the trace's guard `{named}`"
-                + (f" (from: {where})" if where else "")
-                + "; choose sizes that satisfy it"
+                f"range {binding.describe(shapes.names)} ends at the size {at}, which contradicts the trace's guard "
+                f"`{_guard_text(shapes, guard)}`{where_text}; give a range whose ends satisfy it"
             )
 
 
