@@ -86,6 +86,24 @@ def test_regression_a_range_that_ends_at_a_refused_size_fails_before_compiling()
             check_binding(shapes, sw.Binding.of({s: box}))
 
 
+def test_regression_indexing_a_splitting_ops_output_is_computation_not_unpacking():
+    # Found by the fuzzer: every getitem after a splitting op stayed in the splitting piece, so
+    # y[torch.arange(0, n, 2)] (arange computed after the op) made the splitting piece read a
+    # node of the next piece: "a get_attr node (arange ...) is read directly by the stitching graph".
+    def f(x):
+        y = torch.ops.shapewise_toy.attention(x[:, None], x[:, None], x[:, None])[:, 0]
+        return y[torch.arange(0, y.shape[0], 2)] * 2
+
+    gm = dynamo_graph(f, torch.randn(5, 6))
+    plan = sw.Split(ops=[ATTENTION_OP]).plan(gm)
+    by_node = dict(plan.assignment)
+    assert [by_node[n.name] for n in gm.graph.nodes if n.op == "call_function"][-3:] == [2, 2, 2]
+    fast = sw.compile(f, sizes=[1, 5], ranges=[(6, 32)], splitting_ops=[ATTENTION_OP], backend="aot_eager")
+    for n in (5, 1, 17):
+        x = torch.randn(n, 6)
+        assert_same(fast(x), f(x), f"n={n}")
+
+
 # -- 1. inputs a variant was not compiled for, through sw.compile ------------------------------
 # Dynamo's guards sit in front of the runnable: a new layout, dtype or rank fails a guard and
 # Dynamo traces again (dims marked dynamic again, so the new trace serves every size); nothing

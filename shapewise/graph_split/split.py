@@ -91,6 +91,15 @@ def _replace_with_constant(node: torch.fx.Node, value: int) -> None:
         user.kwargs = torch.fx.node.map_aggregate(user.kwargs, lambda a: value if a is node else a)
 
 
+def _unpacks(node: torch.fx.Node) -> bool:
+    """``out[i]`` taking one result of a multi-output op (a tuple), not indexing a tensor:
+    ``attention(q, k, v)[:, 0]`` or ``y[idx]`` is computation, and ``idx`` may come later."""
+    if not (is_getitem(node) and isinstance(node.args[0], torch.fx.Node) and isinstance(node.args[1], int)):
+        return False
+    value = node_value(node.args[0])
+    return value is None or isinstance(value, (tuple, list))
+
+
 def plan_split(gm: torch.fx.GraphModule, matchers: Sequence[OpMatcher]) -> SplitPlan:
     """Assign every body node to a piece, in graph order.
 
@@ -103,7 +112,7 @@ def plan_split(gm: torch.fx.GraphModule, matchers: Sequence[OpMatcher]) -> Split
     for node in gm.graph.nodes:
         if not _is_body(node):
             continue
-        if is_getitem(node) and isinstance(node.args[0], torch.fx.Node) and node.args[0].name in piece_of:
+        if _unpacks(node) and node.args[0].name in piece_of:
             producer = piece_of[node.args[0].name]
             if kinds[producer]:
                 piece_of[node.name] = producer
