@@ -68,24 +68,16 @@ def decompose_size_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     dims.append(int(size))
         for user in list(node.users):
             if is_getitem(user) and isinstance(user.args[1], int):
-                user.replace_all_uses_with(dims[user.args[1]]) if isinstance(
-                    dims[user.args[1]], torch.fx.Node
-                ) else _replace_with_constant(user, dims[user.args[1]])
+                _replace_uses(user, dims[user.args[1]])  # size[i] -> the i-th dim
                 graph.erase_node(user)
-            else:
-                user.args = torch.fx.node.map_aggregate(
-                    user.args, lambda a: tuple(dims) if a is node else a
-                )
-                user.kwargs = torch.fx.node.map_aggregate(
-                    user.kwargs, lambda a: tuple(dims) if a is node else a
-                )
-        if not node.users:
-            graph.erase_node(node)
+        _replace_uses(node, tuple(dims))  # any other use takes the tuple of dims
+        graph.erase_node(node)
     gm.recompile()
     return gm
 
 
-def _replace_with_constant(node: torch.fx.Node, value: int) -> None:
+def _replace_uses(node: torch.fx.Node, value: Any) -> None:
+    """Put ``value`` (a node, an int or a tuple of them) wherever ``node`` is an argument."""
     for user in list(node.users):
         user.args = torch.fx.node.map_aggregate(user.args, lambda a: value if a is node else a)
         user.kwargs = torch.fx.node.map_aggregate(user.kwargs, lambda a: value if a is node else a)
