@@ -104,6 +104,33 @@ def test_regression_indexing_a_splitting_ops_output_is_computation_not_unpacking
         assert_same(fast(x), f(x), f"n={n}")
 
 
+def _cat_then_attention(x):
+    y = torch.cat([x, x[:1] * 3])  # s + 1 rows
+    return torch.ops.shapewise_toy.attention(y[:, None], y[:, None], y[:, None])[:, 0] * 2
+
+
+def test_regression_a_piece_gets_every_symbol_of_its_input_sizes():
+    # Found by the fuzzer (with Inductor): the piece after the attention op saw only the size
+    # s + 1, and a symbolic (range) Inductor compile cannot recover s from it: "For s63 + 1,
+    # expected [s63] to have been codegen-ed". The piece now also takes s (unused, for binding).
+    gm = dynamo_graph(_cat_then_attention, torch.randn(5, 6))
+    program = sw.Split(ops=[ATTENTION_OP])(gm)
+    size_arg = next(n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("s"))
+    first, _, last = ([n.name for n in p.gm.graph.nodes if n.op == "placeholder"] for p in program.pieces)
+    assert size_arg not in first  # x carries s bare: nothing to add
+    assert last[-1] == size_arg
+
+
+@pytest.mark.inductor
+def test_regression_inductor_range_compile_of_a_piece_that_sees_only_s_plus_one():
+    fast = sw.compile(_cat_then_attention, sizes=[1], ranges=[(2, 9)], splitting_ops=[ATTENTION_OP],
+                      backend="inductor")
+    with torch.no_grad():
+        for n in (1, 2, 5, 9):
+            x = torch.randn(n, 6)
+            assert_same(fast(x), _cat_then_attention(x), f"n={n}")
+
+
 # -- 1. inputs a variant was not compiled for, through sw.compile ------------------------------
 # Dynamo's guards sit in front of the runnable: a new layout, dtype or rank fails a guard and
 # Dynamo traces again (dims marked dynamic again, so the new trace serves every size); nothing

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
-from shapewise._compat import node_value
+from shapewise._compat import node_value, sym_expr
 from shapewise.graph_split.registry import OpMatcher, is_allocation, is_getitem, resolve_ops
 from shapewise.passes.base import Pass, register_pass
 from shapewise.passes.program import Piece, Program
@@ -140,6 +140,50 @@ def plan_split(gm: torch.fx.GraphModule, matchers: Sequence[OpMatcher]) -> Split
     return SplitPlan(assignment, tuple(merged_kinds))
 
 
+def _sizes_of(value: Any) -> tuple[list[Any], list[Any]]:
+    """(every size-like expression, the ones a compiler can read a symbol from) of a value."""
+    if isinstance(value, torch.SymInt):
+        e = sym_expr(value)
+        return [e], [e]
+    if isinstance(value, torch.Tensor):
+        exprs = [sym_expr(d) for d in (*value.shape, *value.stride())]
+        return [*exprs, sym_expr(value.storage_offset())], exprs
+    return [], []
+
+
+def _symbol_providers(nodes: Sequence[torch.fx.Node]) -> dict[Any, torch.fx.Node]:
+    """For each symbol, a placeholder that carries it bare: a SymInt first, else a tensor dim."""
+    out: dict[Any, torch.fx.Node] = {}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    for only_ints in (True, False):
+        for ph in placeholders:
+            value = node_value(ph)
+            if only_ints != isinstance(value, torch.SymInt):
+                continue
+            for e in _sizes_of(value)[1]:
+                if e.is_Symbol:
+                    out.setdefault(e, ph)
+    return out
+
+
+def _symbol_inputs(inputs: Sequence[torch.fx.Node], providers: dict[Any, torch.fx.Node]) -> list[torch.fx.Node]:
+    """Placeholders to add to a compute piece so every symbol of its input sizes can be read
+    from an input: a piece after ``cat([y, y[:1]])`` and a splitting op sees only ``s + 1``, from
+    which a compiler (Inductor) cannot recover ``s`` for a symbolic compile."""
+    needed: set[Any] = set()
+    bare: set[Any] = set()
+    for a in inputs:
+        exprs, readable = _sizes_of(node_value(a))
+        needed |= {s for e in exprs for s in e.free_symbols}
+        bare |= {e for e in readable if e.is_Symbol}
+    extra = []
+    for s in sorted(needed - bare, key=str):
+        ph = providers.get(s)
+        if ph is not None and ph not in inputs and ph not in extra:
+            extra.append(ph)
+    return extra
+
+
 def apply_plan(gm: torch.fx.GraphModule, plan: SplitPlan) -> tuple[torch.fx.GraphModule, tuple[Piece, ...]]:
     """Build the piece GraphModules and the stitching graph for ``plan``."""
     piece_of = dict(plan.assignment)
@@ -155,6 +199,7 @@ def apply_plan(gm: torch.fx.GraphModule, plan: SplitPlan) -> tuple[torch.fx.Grap
         if any(u is out_node or (u.name in piece_of and piece_of[u.name] != i) for u in node.users):
             exports[i].append(node)
 
+    providers = _symbol_providers(nodes)
     pieces: list[Piece] = []
     piece_inputs: list[list[torch.fx.Node]] = []
     for i in range(plan.num_pieces):
@@ -166,6 +211,8 @@ def apply_plan(gm: torch.fx.GraphModule, plan: SplitPlan) -> tuple[torch.fx.Grap
                 if piece_of.get(a.name) == i or a in inputs or a in attrs:
                     continue
                 (attrs if a.op == "get_attr" else inputs).append(a)
+        if not plan.splitting[i]:
+            inputs += _symbol_inputs(inputs, providers)
         g = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for a in inputs:
