@@ -157,15 +157,17 @@ def table(results: dict[str, Any]) -> str:
         "after Inductor's one-time per-cache-folder warm-up (timed separately; on CPU its vector-ISA probes, "
         "which TORCHINDUCTOR_VEC_ISA_OK=1 skips).".format(repeats=cfg.get("repeats", 1)),
         "",
-        "| layers | compute pieces | variants | cold s | compiled / reused | warm s | warm / cold | "
+        "| layers | compute pieces | variants | cold s (min-max) | compiled / reused | warm s | warm / cold | "
         "Inductor warm-up s | warm+ s | warm+ / cold | cold / cold(2 layers) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = results["runs"][0]["cold"]["first_call_s"]
     for r in results["runs"]:
         c, w, wp = r["cold"], r["warm"], r["warm_plus"]
+        spread = sorted(x["first_call_s"] for x in r["samples"]["cold"])
         lines.append(
-            f"| {r['layers']} | {c['pieces']} | {c['variants']} | {c['first_call_s']:.1f} | "
+            f"| {r['layers']} | {c['pieces']} | {c['variants']} | {c['first_call_s']:.1f} "
+            f"({spread[0]:.0f}-{spread[-1]:.0f}) | "
             f"{c['compiled']} / {c['reused']} | {w['first_call_s']:.1f} | "
             f"{w['first_call_s'] / c['first_call_s']:.0%} | "
             f"{wp.get('inductor_warmup_s', 0):.1f} | {wp['first_call_s']:.1f} | "
@@ -226,9 +228,22 @@ def main(argv: list[str] | None = None) -> int:
                                "config": {**base_cfg, "layers": layers, "repeats": args.repeats}, "runs": []}
     samples: dict[int, dict[str, list[dict[str, Any]]]] = {n: {"cold": [], "warm": [], "warm_plus": []}
                                                            for n in layers}
+    baseline_layers = None if args.no_baseline or len(layers) < 2 else (
+        layers[len(layers) // 2] if len(layers) > 2 else layers[-1])
+    baselines: dict[str, list[dict[str, Any]]] = {"no_dedupe": [], "no_dedupe_no_inductor_cache": []}
+    inductor_caches_off = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
     with tempfile.TemporaryDirectory(prefix="shapewise-bench-") as tmp:
         tmp_path = Path(tmp)
         for rep in range(args.repeats):
+            if baseline_layers is not None:
+                cfg = {**base_cfg, "layers": baseline_layers, "dedupe": False, "cache": False}
+                for name, env in (("no_dedupe", None), ("no_dedupe_no_inductor_cache", inductor_caches_off)):
+                    r = run_child({**cfg, "run": name}, tmp_path / f"sw-{name}-{rep}", tmp_path / f"ind-{name}-{rep}",
+                                  env)
+                    baselines[name].append(r)
+                    print(f"[{rep + 1}/{args.repeats}] L={baseline_layers:3d} {name}: first call "
+                          f"{r['first_call_s']:7.1f} s  compiled {r['compiled']:3d}  correct {r['correct']}",
+                          flush=True)
             for n in layers:
                 cfg = {**base_cfg, "layers": n}
                 sw_cache = tmp_path / f"sw-{n}-{rep}"
@@ -241,17 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in layers:
             results["runs"].append({"layers": n, **{k: _median(v) for k, v in samples[n].items()},
                                     "samples": samples[n]})
-        if not args.no_baseline and len(layers) > 1:
-            n = layers[len(layers) // 2] if len(layers) > 2 else layers[-1]
-            cfg = {**base_cfg, "layers": n, "dedupe": False, "cache": False, "run": "no_dedupe"}
-            results["no_dedupe"] = {"layers": n, **run_child(cfg, tmp_path / "sw-nd", tmp_path / "ind-nd")}
-            print(f"L={n:3d} no dedupe: first call {results['no_dedupe']['first_call_s']:7.1f} s", flush=True)
-            off = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
-            results["no_dedupe_no_inductor_cache"] = {
-                "layers": n, **run_child({**cfg, "run": "no_dedupe_no_inductor_cache"}, tmp_path / "sw-nd2",
-                                         tmp_path / "ind-nd2", off)}
-            print(f"L={n:3d} no dedupe, no Inductor cache: first call "
-                  f"{results['no_dedupe_no_inductor_cache']['first_call_s']:7.1f} s", flush=True)
+        for name, got in baselines.items():
+            if got:
+                results[name] = {"layers": baseline_layers, **_median(got), "samples": got}
     runs = results["runs"]
     small, big = runs[0], runs[-1]
     worst = max(r["warm"]["first_call_s"] / r["cold"]["first_call_s"] for r in runs)

@@ -192,6 +192,7 @@ class CompileSession:
         t0 = time.perf_counter()
         source, error = "compiled", None
         key, disk = None, False
+
         def compile_it() -> Callable[..., Any]:
             return lower_variant(piece, variant, lower.backend, lower.options_for(variant.binding))
 
