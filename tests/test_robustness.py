@@ -131,6 +131,49 @@ def test_regression_inductor_range_compile_of_a_piece_that_sees_only_s_plus_one(
             assert_same(fast(x), _cat_then_attention(x), f"n={n}")
 
 
+SCALE2 = "shapewise_robust::scale2"
+
+
+@torch.library.custom_op(SCALE2, mutates_args=())
+def _scale2(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x).copy_(x * 2)
+
+
+@_scale2.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _size_across(x):
+    y = x.unsqueeze(1).expand(-1, 2, -1).reshape(-1, x.shape[1])  # 2*s rows
+    shape = y.size()  # crosses the split as size arguments 2*s and 6
+    return torch.ops.shapewise_robust.scale2(y).reshape(-1).reshape(shape) + x.sum()  # x: s in a tensor dim
+
+
+def test_regression_a_piece_with_a_size_argument_gets_its_symbol_as_an_argument():
+    gm = dynamo_graph(_size_across, torch.randn(5, 6))
+    program = sw.Split(ops=[SCALE2])(gm)
+    size_arg = next(n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("s"))
+    last = [n for n in program.pieces[-1].gm.graph.nodes if n.op == "placeholder"]
+    assert any(isinstance(n.meta["example_value"], torch.SymInt) and n.name != size_arg for n in last)
+    assert last[-1].name == size_arg
+
+
+@pytest.mark.inductor
+def test_regression_inductor_graph_cache_guards_over_size_arguments():
+    # Found by the fuzzer (with Inductor): a piece whose size argument is 2*s but that had s only
+    # in a tensor dim compiled once; compiling the same piece again (another process, the next
+    # model) hit Inductor's graph cache, whose guards are stated over size arguments only, and
+    # failed: "NameError: name 'shapewise_s77' is not defined".
+    for _ in range(2):
+        torch._dynamo.reset()
+        fast = sw.compile(_size_across, ranges=[(1, 4)], splitting_ops=[SCALE2], backend="inductor")
+        with torch.no_grad():
+            for n in (1, 3, 4):
+                x = torch.randn(n, 6)
+                assert_same(fast(x), _size_across(x), f"n={n}")
+
+
 # -- 1. inputs a variant was not compiled for, through sw.compile ------------------------------
 # Dynamo's guards sit in front of the runnable: a new layout, dtype or rank fails a guard and
 # Dynamo traces again (dims marked dynamic again, so the new trace serves every size); nothing

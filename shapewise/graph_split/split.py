@@ -168,19 +168,31 @@ def _symbol_providers(nodes: Sequence[torch.fx.Node]) -> dict[Any, torch.fx.Node
 
 def _symbol_inputs(inputs: Sequence[torch.fx.Node], providers: dict[Any, torch.fx.Node]) -> list[torch.fx.Node]:
     """Placeholders to add to a compute piece so every symbol of its input sizes can be read
-    from an input: a piece after ``cat([y, y[:1]])`` and a splitting op sees only ``s + 1``, from
-    which a compiler (Inductor) cannot recover ``s`` for a symbolic compile."""
+    from an input, and every symbol of a size argument from a size argument.
+
+    A piece after ``cat([y, y[:1]])`` and a splitting op sees only ``s + 1``, from which a
+    symbolic Inductor compile cannot recover ``s``; and Inductor's graph cache states its guards
+    over the size arguments alone, so a size argument ``2*s`` needs ``s`` as an argument too.
+    """
     needed: set[Any] = set()
     bare: set[Any] = set()
+    bare_ints: set[Any] = set()
+    in_ints: set[Any] = set()
     for a in inputs:
-        exprs, readable = _sizes_of(node_value(a))
+        value = node_value(a)
+        exprs, readable = _sizes_of(value)
         needed |= {s for e in exprs for s in e.free_symbols}
         bare |= {e for e in readable if e.is_Symbol}
+        if isinstance(value, torch.SymInt):
+            (bare_ints if exprs[0].is_Symbol else in_ints).update(exprs[0].free_symbols)
     extra = []
-    for s in sorted(needed - bare, key=str):
+    for s in sorted((needed - bare) | (in_ints - bare_ints), key=str):
         ph = providers.get(s)
-        if ph is not None and ph not in inputs and ph not in extra:
-            extra.append(ph)
+        if ph is None or ph in inputs or ph in extra:
+            continue
+        if s in bare and not isinstance(node_value(ph), torch.SymInt):
+            continue  # a tensor dim already carries it; only a size argument would add anything
+        extra.append(ph)
     return extra
 
 
