@@ -33,15 +33,18 @@ def symbolic_graph(fn, *args):
     return make_fx(fn, tracing_mode="symbolic")(*args)
 
 
-def graph_args(gm, *tensors):
+def graph_args(gm, *tensors, **named):
     """The positional arguments of ``gm`` for a call with ``tensors`` (the function's tensor
-    arguments, in order): tensor placeholders take them in order; a SymInt placeholder takes
-    the size (or stride) of the tensor whose traced layout carries that symbol."""
+    arguments, in the order the graph first reads them) or ``named`` ({argument name: tensor},
+    matched to Dynamo's ``L_<name>_`` placeholders); a SymInt placeholder takes the size (or
+    stride) of the tensor whose traced layout carries that symbol."""
     from shapewise._compat import node_value, sym_expr
 
-    values = [node_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [node_value(n) for n in nodes]
     it = iter(tensors)
-    out = [next(it) if isinstance(v, torch.Tensor) else None for v in values]
+    out = [(named[str(n.target)[2:-1]] if named else next(it)) if isinstance(v, torch.Tensor) else None
+           for n, v in zip(nodes, values)]
     for i, v in enumerate(values):
         if not isinstance(v, torch.SymInt):
             continue

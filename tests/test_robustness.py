@@ -350,3 +350,27 @@ def test_fallback_runs_the_failed_variant_eagerly_and_the_rest_compiled():
     others = [r for k, r in rows.items() if k != ("piece_0", "{n=4}")]
     assert all(r["source"] == "compiled" and "error" not in r for r in others)
     assert fast.traces == 1
+
+
+@pytest.mark.inductor
+def test_a_failed_inductor_compile_leaves_nothing_in_the_cache(tmp_path):
+    # Range variants get an Inductor option that does not exist: their compiles fail (and fall
+    # back to eager), the static ones compile and are stored. The cache then holds exactly the
+    # static artifacts, each whole, and no temporary file.
+    from shapewise.cache import ArtifactCache
+
+    model = MLP()
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], backend="inductor", cache=str(tmp_path),
+                      range_options={"no_such_inductor_option": True}, on_compile_error="fallback")
+    with torch.no_grad():
+        for n in (2, 4, 9):
+            x = torch.randn(n, 32)
+            assert_same(fast(x), model(x), f"n={n}")
+    rows = fast.report()
+    assert [r["source"] for r in rows] == ["compiled", "compiled", "fallback"]
+    assert "no_such_inductor_option" in rows[2]["error"]
+    cache = ArtifactCache(tmp_path)
+    assert len(cache.keys()) == 2
+    assert all(cache.load(k) is not None for k in cache.keys())
+    leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith((".swa", ".lock"))]
+    assert leftovers == []
