@@ -189,6 +189,12 @@ class _SlowPath:
                 # Only strides of size-1 (or empty) dims differ: the same memory, viewed as compiled.
                 fixed[i] = a.as_strided(shape, stride, a.storage_offset())
                 continue
+            if any(t == 0 and n > 1 for t, n in zip(stride, shape)):
+                # Compiled for a broadcast (stride-0) input: a copy would drop all but one slice.
+                raise InputMismatch(
+                    f"{what}: compiled for a broadcast input with strides {stride} (0: one slice repeated), "
+                    f"got strides {a.stride()}; pass it expanded as it was traced, or trace it as it comes"
+                )
             fixed[i] = torch.empty_strided(shape, stride, dtype=a.dtype, device=a.device).copy_(a)
             if i in g.mutated:
                 copy_back.append((a, fixed[i]))

@@ -137,6 +137,15 @@ def test_size_argument_that_disagrees_with_the_tensor():
         r(8, torch.randn(16, 4), W)
 
 
+def test_an_input_traced_broadcast_is_not_squashed_into_one_row():
+    gm = dynamo_graph(lambda x: x.cumsum(0), torch.randn(1, 4).expand(8, 4))  # traced with stride (0, 1)
+    r = sw.Pipeline([sw.Concretize(sizes=[8]), sw.Lower(backend="eager")]).run(gm)
+    x = torch.randn(1, 4).expand(8, 4)
+    assert_same(r(*graph_args(gm, x)), (x.cumsum(0),))
+    with pytest.raises(sw.InputMismatch, match=r"broadcast input with strides \(0, 1\).*got strides \(4, 1\)"):
+        r(*graph_args(gm, torch.randn(8, 4)))
+
+
 def test_a_mutated_input_is_copied_back():
     def f(x):
         x.mul_(2)
