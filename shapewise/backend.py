@@ -18,7 +18,7 @@ from shapewise import _compat
 from shapewise.concretize import Concretize
 from shapewise.concretize.concretize import check_sizes
 from shapewise.dispatch.runnable import CompileReport, Runnable
-from shapewise.errors import ConfigError, ShapewiseError
+from shapewise.errors import ConfigError, DispatchMiss, ShapewiseError
 from shapewise.graph_split import Split
 from shapewise.passes import Instrument, Lower, Pipeline, Program
 
@@ -40,6 +40,7 @@ def build_pipeline(
     instruments: Sequence[Instrument] = (),
     cudagraphs: bool = False,
     capture_sizes: Any = None,
+    refused: str = "error",
     compile: str = "eager_all",
     cache: Any = None,
     dedupe: bool = True,
@@ -48,7 +49,7 @@ def build_pipeline(
     """The standard pipeline for the given options."""
     passes: list[Any] = [
         Split(ops=_op_list(splitting_ops)),
-        Concretize(sizes=sizes, ranges=ranges),
+        Concretize(sizes=sizes, ranges=ranges, refused=refused),
         Lower(backend=backend, options=options or (), static_options=static_options or (),
               range_options=range_options or (), on_compile_error=on_compile_error,
               compile=compile, cache=cache, dedupe=dedupe, progress=progress),
@@ -77,12 +78,13 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
     """Dynamo backend: ``torch.compile(model, backend="shapewise", options={"sizes": [1, 8]})``.
 
     Options: sizes, ranges, splitting_ops, backend, options, static_options, range_options,
-    on_compile_error, on_miss, symbol_names ({symbol name or Symbol: dim name}).
+    on_compile_error, on_miss, symbol_names ({symbol name or Symbol: dim name}), refused
+    ("error", or "skip": leave out the sizes this trace's guards refuse).
     """
     opts = {**dict(options or {}), **kwargs}
-    unknown = set(opts) - _PIPELINE_KEYS - {"on_miss", "symbol_names"}
+    unknown = set(opts) - _PIPELINE_KEYS - {"on_miss", "symbol_names", "refused"}
     if unknown:
-        known = sorted(_PIPELINE_KEYS | {"on_miss", "symbol_names"})
+        known = sorted(_PIPELINE_KEYS | {"on_miss", "symbol_names", "refused"})
         raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {known}")
     names = dict(opts.pop("symbol_names", {}) or {})
     on_miss = opts.pop("on_miss", "error")
@@ -221,8 +223,12 @@ class ShapewiseModule:
                     if isinstance(e, sympy.Symbol):
                         names.setdefault(e, name)
         self._symbol_names = names
+        # A second trace exists because a call failed the first one's guards: it serves the
+        # sizes its own guards allow (a size only the first trace can serve is skipped, not an
+        # error for a call that did not ask for it).
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
-                                                          "on_miss": self._on_miss})
+                                                          "on_miss": self._on_miss,
+                                                          "refused": "skip" if self.runnables else "error"})
         self.runnables.append(runnable)
         self._watch = runnable.program.attrs.get("compile_watch", self._watch)
         return runnable
@@ -245,7 +251,18 @@ class ShapewiseModule:
             if isinstance(inner, ShapewiseError):
                 # Hide Dynamo's wrapper, keep the error's own cause (e.g. the backend's exception).
                 raise inner.with_traceback(None) from inner.__cause__
+            if isinstance(e, DispatchMiss) and len(self.runnables) > 1:
+                e.add_note(self._traces_note())
             raise
+
+    def _traces_note(self) -> str:
+        """Which sizes each trace serves (a call goes to the first trace whose guards it passes)."""
+        parts = []
+        for i, r in enumerate(self.runnables, 1):
+            keys = ", ".join(row["key"] for row in r.table.rows()) or "none (its guards refuse every size asked for)"
+            parts.append(f"trace {i}: {keys}")
+        return ("shapewise: this model has several traces (a call that fails every trace's guards makes a new one, "
+                "for the sizes its own guards allow): " + "; ".join(parts))
 
     def _first_call(self, args: tuple, kwargs: dict, retrace: bool = False) -> Any:
         """Trace (the first call, or a re-trace after a guard failed) with the dynamic dims of

@@ -402,7 +402,9 @@ def _compile_and_call(ops, keep, two, sizes, ranges, calls, first, backend, refu
             else:
                 with pytest.raises(sw.DispatchMiss):
                     fast(*args)
-    assert fast.traces == 1 or refused
+    # One trace serves every size; a trace at 1 or 2 may be specialised to it (reshaping a
+    # transposed tensor is a view only at 1), and then other sizes trace again.
+    assert fast.traces == 1 or refused or first < 3, f"{fast.traces} traces"
 
 
 @settings(FAST, max_examples=CI_EXAMPLES or 130)

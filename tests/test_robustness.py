@@ -174,6 +174,30 @@ def test_regression_inductor_graph_cache_guards_over_size_arguments():
                 assert_same(fast(x), _size_across(x), f"n={n}")
 
 
+def test_regression_a_second_trace_skips_the_sizes_only_the_first_serves(caplog):
+    # Found by the fuzzer: a first call at n=1 traces a graph for n == 1 only (reshaping a
+    # transposed tensor is a view only then). A call at n=5, compiled nowhere, failed that guard,
+    # traced again, and that trace refused size 1: the call raised GuardViolation about a size it
+    # had not asked for. A second trace now serves the sizes its own guards allow (none here),
+    # and the call misses, with a note of what each trace serves.
+    def f(x):
+        return x.t().unsqueeze(1).expand(-1, 2, -1).reshape(-1, x.shape[0]) * 2
+
+    fast = sw.compile(f, sizes=[1], backend="eager")
+    x = torch.randn(1, 4)
+    assert_same(fast(x), f(x))
+    with pytest.raises(sw.DispatchMiss, match=r"size \{n=5\}") as err:
+        fast(torch.randn(5, 4))
+    assert "trace 1: {n=1}; trace 2: none" in "".join(err.value.__notes__)
+    assert any("skipping {n=1} in this trace" in m and "Ne(n, 1)" in m for m in caplog.messages)
+    assert_same(fast(x), f(x))
+    gm = dynamo_graph(f, torch.randn(5, 4))
+    program = sw.Concretize(sizes=[1, 3], refused="skip")(gm)
+    assert [b.key for b in program.bindings] == [(3,)]
+    with pytest.raises(sw.GuardViolation, match=r"size \{s\d+=1\} contradicts the trace's guard `Ne"):
+        sw.Concretize(sizes=[1, 3])(gm)
+
+
 # -- 1. inputs a variant was not compiled for, through sw.compile ------------------------------
 # Dynamo's guards sit in front of the runnable: a new layout, dtype or rank fails a guard and
 # Dynamo traces again (dims marked dynamic again, so the new trace serves every size); nothing

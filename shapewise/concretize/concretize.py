@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
+import logging
 import math
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -25,6 +26,8 @@ from shapewise.passes.program import Binding, Piece, Program, ShapeInfo, TensorM
 __all__ = ["Concretize", "check_binding", "check_sizes", "example_args", "make_bindings", "primary_symbols"]
 
 INT_MAX = 2**63 - 1
+
+log = logging.getLogger("shapewise")
 
 
 class _FrozenDict(dict):
@@ -431,6 +434,9 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
 @dataclass(frozen=True)
 class Concretize(Pass):
     """Bindings from sizes/ranges; per compute piece one ``Variant`` with static example args.
+    A binding that contradicts a guard of the trace raises ``GuardViolation``; with
+    ``refused="skip"`` it is left out with a warning (``sw.compile`` does so for the sizes of a
+    second trace, made when a call failed the first one's guards).
 
     ``Concretize(sizes=(1, 8), ranges=((9, 512),))``; ``Concretize(sizes={"batch": [1, 2], "seq": [128]})``.
     """
@@ -438,9 +444,12 @@ class Concretize(Pass):
     name: ClassVar[str] = "concretize"
     sizes: Any = ()
     ranges: Any = ()
+    refused: str = "error"
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.ranges)  # fail before any trace: typos, sizes <= 0, overlaps
+        if self.refused not in ("error", "skip"):
+            raise ConfigError(f"refused must be 'error' or 'skip', got {self.refused!r}")
         if _is_int(self.sizes):
             object.__setattr__(self, "sizes", (self.sizes,))
         object.__setattr__(self, "sizes", _freeze(self.sizes) if not isinstance(self.sizes, Mapping) else self.sizes)
@@ -452,10 +461,17 @@ class Concretize(Pass):
 
     def apply(self, program: Program) -> Program:
         shapes = program.shapes
-        bindings = make_bindings(shapes, self.sizes, self.ranges)
-        for b in bindings:
-            check_binding(shapes, b)
-        return program.replace(bindings=bindings, pieces=attach_variants(program.pieces, bindings))
+        bindings = []
+        for b in make_bindings(shapes, self.sizes, self.ranges):
+            try:
+                check_binding(shapes, b)
+            except GuardViolation as e:
+                if self.refused != "skip":
+                    raise
+                log.warning("shapewise: skipping %s in this trace: %s", b.describe(shapes.names), e)
+                continue
+            bindings.append(b)
+        return program.replace(bindings=tuple(bindings), pieces=attach_variants(program.pieces, bindings))
 
 
 def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding]) -> tuple[Piece, ...]:
