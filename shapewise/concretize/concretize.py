@@ -368,8 +368,11 @@ def _range_hint(lo: int, hi: int, traced: int | None) -> int:
 
 
 def _materialise(piece: Piece, mode: FakeTensorMode, exprs: Mapping[sympy.Symbol, Any],
-                 values: Mapping[sympy.Symbol, int], symbolic: bool) -> tuple[Any, ...]:
-    """Fake inputs for ``piece`` with every symbol replaced by ``exprs`` (ints or new symbols)."""
+                 values: Mapping[sympy.Symbol, int], symbolic: bool,
+                 observed: Sequence[Any] | None = None) -> tuple[Any, ...]:
+    """Fake inputs for ``piece`` with every symbol replaced by ``exprs`` (ints or new symbols).
+    ``observed``: per input, a tensor whose concrete stride and offset replace the traced ones
+    (what eager makes at this size, see ``observed_inputs``)."""
     out: list[Any] = []
 
     def conv(e: Any) -> Any:
@@ -377,12 +380,15 @@ def _materialise(piece: Piece, mode: FakeTensorMode, exprs: Mapping[sympy.Symbol
             return _compat.make_symint(mode, sympy.sympify(e).xreplace(exprs), evaluate(e, values))
         return evaluate(e, values)
 
-    for name, meta in zip(piece.shapes.input_names, piece.shapes.inputs):
+    for i, (name, meta) in enumerate(zip(piece.shapes.input_names, piece.shapes.inputs)):
         try:
             if isinstance(meta, TensorMeta):
                 shape = [conv(e) for e in meta.shape]
                 stride = [conv(e) for e in meta.stride]
                 offset = conv(meta.offset)
+                seen = observed[i] if observed is not None and i < len(observed) else None
+                if isinstance(seen, torch.Tensor) and list(seen.shape) == shape and seen.dtype == meta.dtype:
+                    stride, offset = list(seen.stride()), seen.storage_offset()
                 with mode:
                     if symbolic and offset == 0:
                         t = torch.empty_strided(shape, stride, dtype=meta.dtype, device=meta.device)
@@ -405,10 +411,12 @@ def _materialise(piece: Piece, mode: FakeTensorMode, exprs: Mapping[sympy.Symbol
     return tuple(out)
 
 
-def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = None) -> tuple[Any, ...]:
+def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = None,
+                 observed: Sequence[Any] | None = None) -> tuple[Any, ...]:
     """Example inputs for compiling ``piece`` under ``binding``.
 
-    Static: fake tensors with concrete shape/stride/offset on exactly the storage they need.
+    Static: fake tensors with concrete shape/stride/offset on exactly the storage they need;
+    strides and offsets from ``observed`` where given (see ``observed_inputs``).
     Ranges: fake tensors over a fresh ShapeEnv whose symbols carry the range as bounds (so a
     compile can neither add guards to the trace nor assume the traced size).
     """
@@ -418,7 +426,7 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
     free = [s for s in piece.shapes.symbols if s not in bound]
     if binding.is_static and not free:
         values = binding.static_values()
-        return _materialise(piece, mode or FakeTensorMode(), values, values, symbolic=False)
+        return _materialise(piece, mode or FakeTensorMode(), values, values, symbolic=False, observed=observed)
     hints = piece.shapes.hints
     ranged = {s: (v[0], v[1], _range_hint(v[0], v[1], hints.get(s))) for s, v in binding.items
               if not isinstance(v, int)}
@@ -471,20 +479,61 @@ class Concretize(Pass):
                 log.warning("shapewise: skipping %s in this trace: %s", b.describe(shapes.names), e)
                 continue
             bindings.append(b)
-        return program.replace(bindings=tuple(bindings), pieces=attach_variants(program.pieces, bindings))
+        return program.replace(bindings=tuple(bindings), pieces=attach_variants(program.pieces, bindings, program))
 
 
-def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding]) -> tuple[Piece, ...]:
-    """Give every compute piece one uncompiled variant per binding."""
+def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],
+                    program: Program | None = None) -> tuple[Piece, ...]:
+    """Give every compute piece one uncompiled variant per binding. With ``program``, a static
+    variant's inputs take the layouts eager makes at its size (``observed_inputs``)."""
+    pieces = tuple(pieces)
     out = []
     modes = {b: FakeTensorMode() for b in bindings if b.is_static}
+    observed = {b: observed_inputs(program, b) for b in modes} if program is not None else {}
     for p in pieces:
         if p.is_splitting:
             out.append(p)
             continue
-        variants = tuple(Variant(b, example_args(p, b, modes.get(b))) for b in bindings)
+        variants = tuple(Variant(b, example_args(p, b, modes.get(b), observed.get(b, {}).get(p.name)))
+                         for b in bindings)
         out.append(dataclasses.replace(p, variants=variants))
     return tuple(out)
+
+
+def observed_inputs(program: Program, binding: Binding) -> dict[str, tuple[Any, ...]]:
+    """Each piece's inputs as eager makes them at the static ``binding``: the split program run
+    on fake tensors of that size, every piece as its own graph.
+
+    The trace's layouts are symbolic and size-oblivious; at one size eager can lay a tensor out
+    otherwise (at n=1, ``x[:, None].expand(-1, 2, -1).reshape(-1, k)`` is a stride-0 view, not
+    the copy the trace shows), and a piece compiled for the traced layout would read it wrong.
+    A piece whose propagation fails keeps the traced layouts (logged at debug level)."""
+    shapes = program.shapes
+    if shapes is None or program.graph is None:
+        return {}
+    values = binding.static_values()
+    if any(s not in values for s in shapes.symbols):
+        return {}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    seen: dict[str, tuple[Any, ...]] = {}
+
+    def recorder(piece: Piece):
+        def call(*args):
+            seen[piece.name] = args
+            return piece.gm.forward(*args)
+        return call
+
+    try:
+        args = _materialise(Piece("program", program.graph, shapes=shapes), mode, values, values, symbolic=False)
+        from shapewise.dispatch.runnable import make_runner
+
+        run = make_runner(program.graph, {p.name: recorder(p) for p in program.pieces})
+        with mode, torch.no_grad():
+            run(*args)
+    except Exception as e:  # noqa: BLE001 - the traced layouts are the fallback
+        log.debug("shapewise: eager layouts at %s not observed (%s: %s); pieces after %s keep the traced ones",
+                  binding, type(e).__name__, e, list(seen)[-1:] or "the start")
+    return seen
 
 
 def _need_split_and_shapes(program: Program) -> list[Pass]:

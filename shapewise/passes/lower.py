@@ -63,6 +63,16 @@ def _is_symbolic(args: list[Any]) -> bool:
     return False
 
 
+def _static_layouts(variant: Variant) -> str:
+    """The concrete strides and offsets of a static variant's tensor inputs: eager may lay an
+    input out otherwise at one size than the trace says (see ``concretize.observed_inputs``),
+    so two equal pieces share a static compile only when their inputs agree."""
+    if not variant.binding.is_static:
+        return "-"
+    return ";".join(f"{tuple(a.stride())}+{a.storage_offset()}" if isinstance(a, torch.Tensor) else "."
+                    for a in variant.example_args)
+
+
 def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping[str, Any]) -> Callable[..., Any]:
     """Compile one (piece, variant) and return a callable taking the piece's inputs positionally.
 
@@ -171,6 +181,7 @@ class CompileSession:
             f"graph={gk.digest}",
             f"binding={binding_key(gk, piece.shapes, variant.binding)}",
             f"static={variant.binding.is_static}",
+            f"layouts={_static_layouts(variant)}",
             f"grad={torch.is_grad_enabled()}",
             f"backend={self.backend_id}",
             f"options={options}",
