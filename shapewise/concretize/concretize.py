@@ -489,7 +489,10 @@ def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],
     pieces = tuple(pieces)
     out = []
     modes = {b: FakeTensorMode() for b in bindings if b.is_static}
-    observed = {b: observed_inputs(program, b) for b in modes} if program is not None else {}
+    observed = {}
+    if program is not None:
+        small = _size_exprs(program.gm)
+        observed = {b: observed_inputs(program, b) for b in modes if _some_size_at_most_one(small, b)}
     for p in pieces:
         if p.is_splitting:
             out.append(p)
@@ -498,6 +501,34 @@ def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],
                          for b in bindings)
         out.append(dataclasses.replace(p, variants=variants))
     return tuple(out)
+
+
+def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:
+    """Every symbolic size of every value in ``gm`` (each expression once)."""
+    exprs: set[sympy.Expr] = set()
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            exprs.update(d.node.expr for d in v.shape if isinstance(d, torch.SymInt))
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+
+    for node in gm.graph.nodes:
+        visit(_compat.node_value(node))
+    return exprs
+
+
+def _some_size_at_most_one(exprs: Iterable[sympy.Expr], binding: Binding) -> bool:
+    """Whether some size of the trace is 0 or 1 under the static ``binding``: the only sizes at
+    which eager can lay a tensor out otherwise than the trace, which treats every symbolic size
+    as >= 2 (size-oblivious); any other difference would have been a guard of the trace."""
+    values = {s: sympy.Integer(v) for s, v in binding.static_values().items()}
+    for e in exprs:
+        v = e.xreplace(values)
+        if not v.free_symbols and v <= 1:
+            return True
+    return False
 
 
 def observed_inputs(program: Program, binding: Binding) -> dict[str, tuple[Any, ...]]:
