@@ -32,7 +32,7 @@ lint: install
 
 # On the GPU machine (torch preinstalled, no network): run the checkout in place.
 gpu-test:
-	PYTHONPATH=. python3 -m pytest -q -m "gpu or inductor" -p no:cacheprovider
+	PYTHONPATH=. python3 -m pytest -q -m "(gpu or inductor) and not fuzz" -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) build *.egg-info
