@@ -26,7 +26,7 @@ import torch.fx
 from shapewise.concretize.analyze import evaluate
 from shapewise.errors import ConfigError
 from shapewise.passes.base import Pass, register_pass
-from shapewise.passes.program import Binding, Program, TensorMeta
+from shapewise.passes.program import Binding, Piece, Program, TensorMeta
 
 __all__ = ["CudaGraphs", "GraphedPiece"]
 
@@ -159,6 +159,32 @@ def _layout(meta: TensorMeta, values: Mapping[sympy.Symbol, int]) -> tuple[list[
             evaluate(meta.offset, values))
 
 
+Layout = tuple[list[int], list[int], int]
+
+
+def buffer_layouts(metas: Sequence[Any], symbols: Sequence[sympy.Symbol], keys: Sequence[tuple[tuple, Binding]],
+                   piece: Piece | None = None) -> list[dict[tuple, Layout] | None]:
+    """Per input (None for what is not a CUDA tensor): its layout at each captured key. A
+    static variant of ``piece`` was compiled for the layout eager makes at its size (see
+    ``concretize.observed_inputs``), which may differ from the trace's: its static buffer takes
+    that layout, so the graph replays what the variant was compiled for."""
+    out: list[dict[tuple, Layout] | None] = []
+    for i, meta in enumerate(metas):
+        if not (isinstance(meta, TensorMeta) and meta.device.type == "cuda"):
+            out.append(None)
+            continue
+        layouts = {}
+        for key, binding in keys:
+            variant = piece.variant_for(binding) if piece is not None and binding.is_static else None
+            arg = variant.example_args[i] if variant is not None and i < len(variant.example_args) else None
+            if isinstance(arg, torch.Tensor):
+                layouts[key] = (list(arg.shape), list(arg.stride()), arg.storage_offset())
+            else:
+                layouts[key] = _layout(meta, dict(zip(symbols, key)))
+        out.append(layouts)
+    return out
+
+
 @register_pass
 @dataclass(frozen=True)
 class CudaGraphs(Pass):
@@ -238,17 +264,11 @@ class CudaGraphs(Pass):
         shapes = program.shapes
         pool = _Pool()
 
-        def buffers_for(metas: Sequence[Any]) -> list[_Buffer | None]:
-            out: list[_Buffer | None] = []
-            for meta in metas:
-                if isinstance(meta, TensorMeta) and meta.device.type == "cuda":
-                    layouts = {k: _layout(meta, dict(zip(shapes.symbols, k))) for k, _ in keys}
-                    out.append(_Buffer(meta, layouts))
-                else:
-                    out.append(None)
-            return out
+        def buffers_for(metas: Sequence[Any], piece: Piece | None = None) -> list[_Buffer | None]:
+            return [_Buffer(meta, layouts) if layouts is not None else None
+                    for meta, layouts in zip(metas, buffer_layouts(metas, shapes.symbols, keys, piece))]
 
-        buffers = {p.name: buffers_for(p.shapes.inputs) for p in program.compute_pieces}
+        buffers = {p.name: buffers_for(p.shapes.inputs, p) for p in program.compute_pieces}
         whole_buffers = buffers_for(shapes.inputs) if self.mode == "full" else []
         overrides = {}
         for key, binding in keys:

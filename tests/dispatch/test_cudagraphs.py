@@ -25,6 +25,50 @@ def test_capture_sizes_must_be_compiled_or_inside_a_range():
         sw.compile(lambda x: x, sizes=[1], capture_sizes=[1])
 
 
+def _interleave_then_split(x):
+    # At n=1 eager's reshape is a stride-0 view (the trace shows a contiguous copy), so the
+    # attention output after it and the piece after attention see other layouts than traced.
+    y = x.unsqueeze(1).expand(-1, 2, -1).reshape(-1, x.shape[1])
+    return (y + torch.ops.shapewise_toy.attention(y.t()[None], y.t()[None], y.t()[None])[0].t()).reshape(1, -1)
+
+
+def test_static_buffers_take_the_layout_each_variant_was_compiled_for():
+    import dataclasses
+
+    from shapewise.dispatch.cudagraphs import buffer_layouts
+
+    gm = dynamo_graph(_interleave_then_split, torch.randn(5, 6))
+    program = sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[1, 2], ranges=[(3, 8)]),
+                           sw.Lower(backend="eager"), sw.BuildDispatch()]).run(gm).program
+    keys = CudaGraphs(capture_sizes=[1, 2, 4]).capture_keys(program)
+    last = program.pieces[-1]
+    cuda_metas = [dataclasses.replace(m, device=torch.device("cuda")) if hasattr(m, "device") else m
+                  for m in last.shapes.inputs]  # as if on a GPU: buffers are made for CUDA inputs only
+    layouts = buffer_layouts(cuda_metas, program.shapes.symbols, keys, last)
+    for i, per_key in enumerate(layouts):
+        if per_key is None:
+            continue
+        for key, binding in keys:
+            variant = last.variant_for(binding)
+            shape, stride, offset = per_key[key]
+            if binding.is_static:  # the layout the variant was compiled for
+                arg = variant.example_args[i]
+                assert (shape, stride, offset) == (list(arg.shape), list(arg.stride()), arg.storage_offset())
+    strides = {key: [per_key[key][1] for per_key in layouts if per_key is not None] for key, _ in keys}
+    assert [0, 1] in strides[(1,)]  # eager's stride-0 view at n=1, not the traced contiguous layout
+    assert [0, 1] not in strides[(2,)] and [0, 1] not in strides[(4,)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["inductor", "eager"])
+def test_replay_at_a_size_where_eager_lays_out_otherwise(backend):
+    graphed = sw.compile(_interleave_then_split, sizes=[1, 2], ranges=[(3, 8)], splitting_ops=[ATTENTION_OP],
+                         backend=backend, cudagraphs=True, capture_sizes=[1, 2, 4])
+    for n in (1, 2, 4, 1, 4):
+        x = torch.randn(n, 6, device="cuda")
+        assert_same(graphed(x), _interleave_then_split(x), f"n={n}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend, mode", [("inductor", True), ("eager", True), ("inductor", "full")])
 def test_replay_matches_uncaptured_and_never_goes_stale(backend, mode):
