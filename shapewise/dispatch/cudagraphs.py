@@ -258,6 +258,10 @@ class CudaGraphs(Pass):
     def apply(self, program: Program) -> Program:
         from shapewise.dispatch.runnable import make_runner
 
+        if getattr(program.lowering, "deferred", False):
+            raise ConfigError(
+                f"CudaGraphs captures compiled pieces, but Lower(compile={program.lowering.compile!r}) compiles them "
+                "later: use Lower(compile='eager_all') before CudaGraphs")
         if not torch.cuda.is_available():
             raise ConfigError("cudagraphs=True needs a CUDA GPU; none is available")
         keys = self.capture_keys(program)

@@ -25,6 +25,14 @@ def test_capture_sizes_must_be_compiled_or_inside_a_range():
         sw.compile(lambda x: x, sizes=[1], capture_sizes=[1])
 
 
+@pytest.mark.parametrize("mode", ["lazy", "background"])
+def test_capture_refuses_pieces_that_compile_later(mode):
+    gm = dynamo_graph(lambda x: x * 2, torch.randn(4, 3))
+    pipe = sw.Pipeline([sw.Concretize(sizes=[1, 2]), sw.Lower(backend="eager", compile=mode), CudaGraphs()])
+    with pytest.raises(sw.ConfigError, match=f"Lower\\(compile='{mode}'\\) compiles them later"):
+        pipe.run(gm)
+
+
 def _interleave_then_split(x):
     # At n=1 eager's reshape is a stride-0 view (the trace shows a contiguous copy), so the
     # attention output after it and the piece after attention see other layouts than traced.
