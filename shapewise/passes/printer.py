@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import re
 
+import torch
 import torch.fx
 
-from shapewise.passes.program import Program, ShapeInfo, TensorMeta
+from shapewise.passes.program import Piece, Program, ShapeInfo, TensorMeta, Variant
 
 __all__ = ["format_graph", "format_program", "format_shapes"]
 
@@ -49,6 +50,28 @@ def format_shapes(shapes: ShapeInfo) -> str:
     return "\n".join(lines)
 
 
+def _layout_note(piece: Piece, variant: Variant) -> str:
+    """Inputs of a static variant laid out otherwise than the trace says at its size (eager's
+    layout at that size, see ``concretize.observed_inputs``)."""
+    if piece.shapes is None or not variant.binding.is_static:
+        return ""
+    from shapewise.concretize.analyze import evaluate
+
+    values = variant.binding.static_values()
+    notes = []
+    for name, meta, arg in zip(piece.shapes.input_names, piece.shapes.inputs, variant.example_args):
+        if not (isinstance(meta, TensorMeta) and isinstance(arg, torch.Tensor)):
+            continue
+        try:
+            traced = (tuple(evaluate(e, values) for e in meta.stride), evaluate(meta.offset, values))
+        except KeyError:
+            continue
+        if traced != (tuple(arg.stride()), arg.storage_offset()):
+            notes.append(f"{name} stride={tuple(arg.stride())} offset={arg.storage_offset()} "
+                         f"(traced {traced[0]} offset={traced[1]})")
+    return "; eager's layout at this size: " + ", ".join(notes) if notes else ""
+
+
 def format_program(program: Program) -> str:
     """Pieces, shapes, bindings and the dispatch table of a program, as text."""
     out = []
@@ -65,7 +88,7 @@ def format_program(program: Program) -> str:
             if p.variants:
                 out.append("\n".join(
                     f"#   variant {v.binding.describe(p.shapes.names if p.shapes else {})}: "
-                    + ("compiled" if v.compiled is not None else "not compiled")
+                    + ("compiled" if v.compiled is not None else "not compiled") + _layout_note(p, v)
                     for v in p.variants))
     else:
         out.append("# graph\n" + format_graph(program.gm))

@@ -90,6 +90,10 @@ def test_static_variant_takes_the_layout_eager_makes_at_its_size(backend):
     y_stride = {v.binding.key: [a.stride() for a in v.example_args if isinstance(a, torch.Tensor)]
                 for v in last.variants if v.binding.is_static}
     assert (0, 1) in y_stride[(1,)] and (0, 1) not in y_stride[(2,)]
+    printed = str(runnable.program)  # the printer names what differs from the trace
+    assert "variant {s77=1}: compiled; eager's layout at this size: " in printed.replace(
+        str(runnable.program.shapes.symbols[0]), "s77")
+    assert "y stride=(0, 1) offset=0 (traced (6, 1) offset=0)" in printed
     for n in (1, 2, 3, 8):
         x = torch.randn(n, 6)
         torch.testing.assert_close(runnable(n, x), gm(n, x), msg=f"n={n}")
