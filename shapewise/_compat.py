@@ -282,12 +282,20 @@ def placeholder_source(node: torch.fx.Node):
     return getattr(grapharg, "source", None) if grapharg is not None else None
 
 
-def local_name_of(source) -> str | None:
-    """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None."""
-    from torch._dynamo.source import LocalSource
+def local_name_of(source, positional: Sequence[str] = ()) -> str | None:
+    """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None. When Dynamo
+    traced a ``*args, **kwargs`` wrapper (as for torch's own modules, e.g. ``nn.Sequential``),
+    ``L['args'][i]`` is the ``positional[i]`` argument and ``L['kwargs']['k']`` is ``k``."""
+    from torch._dynamo.source import DictGetItemSource, GetItemSource, LocalSource
 
     if isinstance(source, LocalSource):
         return source.local_name
+    if isinstance(source, (GetItemSource, DictGetItemSource)) and isinstance(source.base, LocalSource):
+        index = source.index
+        if source.base.local_name == "args" and isinstance(index, int) and 0 <= index < len(positional):
+            return positional[index]
+        if source.base.local_name == "kwargs" and isinstance(index, str):
+            return index
     return None
 
 

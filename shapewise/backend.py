@@ -161,6 +161,8 @@ class ShapewiseModule:
         fn = model.forward if isinstance(model, torch.nn.Module) else model
         self._signature = inspect.signature(fn)
         params = self._signature.parameters
+        self._positional = [n for n, p in params.items()
+                            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         self._dims: dict[str, dict[int, str]] | None = None
         if dynamic_dims is not None:
             self._dims = {}
@@ -191,9 +193,8 @@ class ShapewiseModule:
         if dims is None:
             dims = {k: {0: DEFAULT_DIM_NAME} for k, v in bound.arguments.items()
                     if isinstance(v, torch.Tensor) and v.dim() > 0}
+        dims = {a: spec for a, spec in dims.items() if bound.arguments.get(a) is not None}  # optional, left out
         for arg, spec in dims.items():
-            if arg not in bound.arguments:
-                raise ConfigError(f"dynamic_dims names {arg!r}, but this call does not pass it")
             value = bound.arguments[arg]
             if not isinstance(value, torch.Tensor):
                 raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(value).__name__}, not a tensor")
@@ -215,7 +216,7 @@ class ShapewiseModule:
         for node in gm.graph.nodes:
             if node.op != "placeholder":
                 continue
-            arg = _compat.local_name_of(_compat.placeholder_source(node))
+            arg = _compat.local_name_of(_compat.placeholder_source(node), self._positional)
             value = _compat.node_value(node)
             if arg in self._arg_dims and isinstance(value, torch.Tensor):
                 for d, name in self._arg_dims[arg].items():

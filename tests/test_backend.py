@@ -134,3 +134,85 @@ def test_torch_compile_backend_entry_point():
     for n in (3, 8, 20):
         x = torch.randn(n, 32)
         assert_same(compiled(x), model(x))
+
+
+class _PerRow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x) / x.shape[0]  # wrong at any size but the traced one if the size were baked in
+
+
+def test_general_variant_is_dynamic_for_a_symbol_found_through_args():
+    # Dynamo traces torch's own modules (nn.Sequential) through a *args wrapper: the size is
+    # L['args'][0].shape[0]. It is still named after the argument, and the general variant of
+    # on_miss="dynamic" is symbolic in it (it was compiled at the traced size: wrong answers).
+    model = nn.Sequential(_PerRow())
+    fast = sw.compile(model, sizes=[2, 8], on_miss="dynamic", backend="aot_eager")
+    for n in (2, 5, 8, 13):
+        x = torch.randn(n, 16)
+        assert_same(fast(x), model(x), f"n={n}")
+    rows = fast.report()
+    assert [r["key"] for r in rows[:2]] == ["{n=2}", "{n=8}"]
+    assert rows[-1]["key"] == "general (on_miss='dynamic')" and rows[-1]["static"] is False
+
+
+def test_backend_entry_general_variant_is_dynamic():
+    model = _PerRow()
+    fast = torch.compile(model, backend="shapewise", dynamic=True,
+                         options={"sizes": [2], "ranges": [(3, 16)], "backend": "aot_eager", "on_miss": "dynamic"})
+    for n in (2, 5, 16, 20, 31):
+        x = torch.randn(n, 16)
+        assert_same(fast(x), model(x), f"n={n}")
+
+
+def test_no_sizes_compiles_one_dynamic_variant_for_every_size():
+    model = _PerRow()
+    fast = sw.compile(model, backend="aot_eager")
+    for n in (3, 1, 7, 40):
+        x = torch.randn(n, 16)
+        assert_same(fast(x), model(x), f"n={n}")
+    (row,) = fast.report()
+    assert row["static"] is False and row["key"] == "{n=1..inf}"
+    assert fast.traces == 1
+
+
+def test_optional_argument_named_in_dynamic_dims_may_be_left_out():
+    class WithLabels(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, labels=None):
+            y = self.lin(x)
+            return y if labels is None else (y, (y - labels).square().mean())
+
+    model = WithLabels()
+    fast = sw.compile(model, dynamic_dims={"x": 0, "labels": 0}, sizes=[2, 4], backend="aot_eager")
+    x, labels = torch.randn(4, 8), torch.randn(4, 8)
+    assert_same(fast(x), model(x))
+    assert_same(fast(x, labels=labels), model(x, labels=labels))
+    assert_same(fast(x[:2], labels=None), model(x[:2]))
+
+
+def test_splitting_ops_that_match_nothing_warn(caplog):
+    fast = sw.compile(MLP(), sizes=[2], splitting_ops=["sdpa"], backend="aot_eager")
+    with caplog.at_level("WARNING", logger="shapewise"):
+        fast(torch.randn(2, 32))
+    assert "match no node of the graph: it stays one piece" in caplog.text
+    assert len(fast.program.pieces) == 1
+
+
+def test_report_table_shows_the_first_line_of_an_error():
+    def failing(gm, example_inputs):
+        raise RuntimeError("first line of the cause\nsecond line\nthird line")
+
+    fast = sw.compile(MLP(), sizes=[2], backend=failing, on_compile_error="fallback")
+    x = torch.randn(2, 32)
+    assert_same(fast(x), MLP.forward(fast.model, x))
+    report = fast.report()
+    assert "second line" in report[0]["error"]  # the row keeps it all
+    text = str(report)
+    assert "first line of the cause..." in text and "second line" not in text

@@ -210,7 +210,8 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple
     - ``{name: [sizes]}`` is a product; ``[{name: size}, ...]`` lists bindings;
     - ranges likewise with inclusive ``(low, high)`` pairs.
     Symbols nobody named stay at their traced value; named dims missing from a range span
-    their whole valid range. With neither sizes nor ranges: one general binding.
+    their whole valid range. With neither sizes nor ranges: one general binding, every
+    symbol over its whole valid range.
     """
     symbols = shapes.symbols
     named = {s for s in symbols if s in shapes.names}
@@ -291,8 +292,8 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple
                 range_out.append(complete({s: r for s in prim}, True, "ranges"))
     _check_overlap(range_out, shapes)
     out.extend(range_out)
-    if not out:
-        out.append(complete({}, True, "the general binding"))
+    if not out:  # the general binding: every symbol over its whole valid range, named or not
+        out.append(Binding(tuple((s, full_range(s)) for s in symbols)))
     return tuple(out)
 
 

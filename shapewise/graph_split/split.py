@@ -7,6 +7,7 @@ Plan first (``plan_split``: which node goes to which piece, deterministic), then
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,6 +21,8 @@ from shapewise.passes.base import Pass, register_pass
 from shapewise.passes.program import Piece, Program
 
 __all__ = ["Split", "SplitPlan", "apply_plan", "plan_split", "stitch_graph"]
+
+log = logging.getLogger("shapewise")
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,10 @@ class Split(Pass):
     def apply(self, program: Program) -> Program:
         gm = decompose_size_calls(program.gm)
         plan = self.plan(gm)
+        if self.ops and not any(plan.splitting):
+            log.warning("shapewise: the splitting ops %s match no node of the graph: it stays one piece (an op "
+                        "decomposed before the split, e.g. sdpa under make_fx, no longer shows; see "
+                        "`shapewise inspect` for the graph's targets)", ", ".join(map(str, self.ops)))
         stitch, pieces = apply_plan(gm, plan)
         return program.replace(gm=gm, graph=stitch, pieces=pieces, shapes=None, bindings=None,
                                dispatch=None).with_attrs(split_plan=plan, splitting_ops=self.ops)

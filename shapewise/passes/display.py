@@ -32,10 +32,19 @@ __all__ = [
 REPORT_COLUMNS = ("piece", "key", "static", "seconds", "source", "backend")
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, width: int = 0) -> str:
+    """A value as one table cell: floats to 3 digits; text to its first line, cut to ``width``
+    (the whole value stays in the row dict)."""
     if isinstance(value, float):
         return f"{value:.3g}"
-    return str(value)
+    text = str(value)
+    if not width:
+        return text
+    lines = text.strip().splitlines()
+    first = lines[0] if lines else ""
+    if len(first) > width or len(lines) > 1:
+        return first[: width - 3] + "..."
+    return first
 
 
 def _columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None) -> list[str]:
@@ -52,7 +61,7 @@ def text_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None 
     cols = _columns(rows, columns)
     if not cols:
         return "(empty)"
-    cells = [[_cell(r.get(c, "")) for c in cols] for r in rows]
+    cells = [[_cell(r.get(c, ""), 100) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip(),
              "  ".join("-" * w for w in widths)]

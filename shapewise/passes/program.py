@@ -122,7 +122,7 @@ class Binding:
         names = names or {}
         parts = []
         for s, v in self.items:
-            val = str(v) if isinstance(v, int) else f"{v[0]}..{v[1]}"
+            val = str(v) if isinstance(v, int) else f"{v[0]}..{v[1] if v[1] < 2**63 - 1 else 'inf'}"
             parts.append(f"{names.get(s, str(s))}={val}")
         return "{" + ", ".join(parts) + "}"
 
