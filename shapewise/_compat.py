@@ -116,11 +116,12 @@ def storage_length(shape: Sequence[int], stride: Sequence[int], offset: int) -> 
 
 
 @contextlib.contextmanager
-def no_zero_one_specialisation() -> Iterator[None]:
-    """Trace so that a dynamic size of 0 or 1 does not get specialised (one trace for all sizes)."""
+def no_zero_one_specialisation(on: bool = True) -> Iterator[None]:
+    """Trace so that a dynamic size of 0 or 1 does not get specialised (one trace for all sizes);
+    ``on=False``: the default reasoning, also inside a trace that has it on."""
     import torch.fx.experimental._config as fx_config
 
-    with fx_config.patch(backed_size_oblivious=True):
+    with fx_config.patch(backed_size_oblivious=on):
         yield
 
 

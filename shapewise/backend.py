@@ -79,9 +79,11 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
 
     Options: sizes, ranges, splitting_ops, backend, options, static_options, range_options,
     on_compile_error, on_miss, symbol_names ({symbol name or Symbol: dim name}), refused
-    ("error", or "skip": leave out the sizes this trace's guards refuse).
+    ("skip", the default here: leave out the sizes this trace's guards refuse, with a warning;
+    Dynamo traces again when one is called, and a trace with every size fixed, e.g. its first
+    one without dynamic=True, compiles as it is; or "error").
     """
-    opts = {**dict(options or {}), **kwargs}
+    opts = {"refused": "skip", **dict(options or {}), **kwargs}
     unknown = set(opts) - _PIPELINE_KEYS - {"on_miss", "symbol_names", "refused"}
     if unknown:
         known = sorted(_PIPELINE_KEYS | {"on_miss", "symbol_names", "refused"})

@@ -130,9 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"shapewise inspect: {name} | backend {args.backend} | sizes {list(options.get('sizes', []))} | "
           f"ranges {list(options.get('ranges', []))} | splitting ops {list(options.get('splitting_ops', []))}")
     t0 = time.perf_counter()
-    fast = sw.compile(model, backend=args.backend, instruments=instruments, **options)
-    with torch.no_grad():
-        fast(*inputs)
+    try:
+        fast = sw.compile(model, backend=args.backend, instruments=instruments, **options)
+        with torch.no_grad():
+            fast(*inputs)
+    except sw.ShapewiseError as e:  # a bad option or size, or a compile that failed: one line, no traceback
+        print(f"shapewise inspect: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     program = fast.program
     n_split = sum(1 for p in program.pieces if p.is_splitting)
     print(f"traced {fast.traces}x, compiled in {time.perf_counter() - t0:.1f} s; "

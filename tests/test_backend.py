@@ -136,6 +136,26 @@ def test_torch_compile_backend_entry_point():
         assert_same(compiled(x), model(x))
 
 
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_backend_entry_size_one_and_a_first_static_trace(dynamic, caplog):
+    # Dynamo (not shapewise) traces here: with dynamic=True it specialises 1 (the trace allows
+    # [2, inf]); without, its first trace fixes every size. Size 1 is skipped in the symbolic
+    # trace with a warning and served by the trace Dynamo makes when it is called; a trace with
+    # no dynamic size compiles as it is. (The README's example failed on both.)
+    torch._dynamo.reset()
+    model = _PerRow()
+    compiled = torch.compile(model, backend="shapewise", dynamic=dynamic,
+                             options={"sizes": [1, 8], "ranges": [(9, 512)], "backend": "aot_eager"})
+    with caplog.at_level("WARNING", logger="shapewise"):
+        for n in (8, 1, 100, 8, 1):
+            x = torch.randn(n, 16)
+            assert_same(compiled(x), model(x), f"n={n}")
+    if dynamic:
+        assert "skipping {s" in caplog.text and "=1} in this trace" in caplog.text
+    with pytest.raises(sw.DispatchMiss):
+        compiled(torch.randn(5, 16))  # neither a size nor in a range
+
+
 class _PerRow(nn.Module):
     def __init__(self):
         super().__init__()

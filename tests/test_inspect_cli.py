@@ -80,4 +80,8 @@ def test_bad_model_specs_are_reported(tmp_path, capsys):
         assert message in capsys.readouterr().err
     assert inspect_cli.main(["--sizes", "1,x", "--out", str(tmp_path)]) == 1
     assert "--sizes takes comma-separated ints" in capsys.readouterr().err
+    assert inspect_cli.main(["--backend", "tensorrt", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shapewise inspect: error: ConfigError: unknown backend 'tensorrt'")
+    assert "Traceback" not in err
     assert not any(tmp_path.iterdir())  # nothing was dumped

@@ -210,3 +210,26 @@ def test_inductor_static_backward_per_size_has_no_symbolic_sizes():
                 assert found, f"{piece.name} {v.binding}: range backward has no symbolic size (test cannot fail?)"
                 seen_range += 1
     assert (seen_static, seen_range) == (2 * 2, 2)
+
+
+class _SeqNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.lin(self.norm(x))
+
+
+@pytest.mark.inductor
+def test_inductor_range_backward_where_a_saved_stride_varies_with_the_size():
+    # x [2, T, 32] is saved for LayerNorm's backward; its stride 32*T varies with T. The range
+    # variant's backward asserted the strides of the range's trace value (AOTAutograd restrides
+    # saved activations to them when size-oblivious reasoning is on): every other T failed.
+    model = _SeqNorm()
+    fast = sw.compile(model, dynamic_dims={"x": 1}, sizes=[12], ranges=[(13, 16)], backend="inductor", cache=False)
+    for t in (16, 12, 13, 15):
+        assert_grads_match(model, fast, (torch.randn(2, t, 32, requires_grad=True),), lambda y: y.square().mean(),
+                           f"T={t}")
+    assert_backward_compiled_per_variant(fast.runnable)

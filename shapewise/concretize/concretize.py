@@ -470,6 +470,12 @@ class Concretize(Pass):
 
     def apply(self, program: Program) -> Program:
         shapes = program.shapes
+        if not shapes.symbols and self.refused == "skip":
+            # A trace with every size fixed (Dynamo specialised it, e.g. its first trace without
+            # dynamic=True, or at size 1): compile it as it is; it serves exactly that call.
+            log.info("shapewise: this trace has no dynamic sizes; compiling it as traced")
+            bindings = (Binding(()),)
+            return program.replace(bindings=bindings, pieces=attach_variants(program.pieces, bindings, program))
         bindings = []
         for b in make_bindings(shapes, self.sizes, self.ranges):
             try:
@@ -477,7 +483,8 @@ class Concretize(Pass):
             except GuardViolation as e:
                 if self.refused != "skip":
                     raise
-                log.warning("shapewise: skipping %s in this trace: %s", b.describe(shapes.names), e)
+                log.warning("shapewise: skipping %s in this trace: %s (a call at that size makes Dynamo trace again)",
+                            b.describe(shapes.names), e)
                 continue
             bindings.append(b)
         return program.replace(bindings=tuple(bindings), pieces=attach_variants(program.pieces, bindings, program))

@@ -8,7 +8,6 @@ compile up front (``compile="eager_all"``), on first use (``"lazy"``) or in a ba
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -85,7 +84,13 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     # Symbolic args: a range variant, or a piece whose inputs have data-dependent sizes.
     mode = _fake_mode_of(args) if _is_symbolic(args) else None
     static = mode is None
-    oblivious = _compat.no_zero_one_specialisation() if mode is not None else contextlib.nullcontext()
+    # Size-oblivious reasoning only where a range reaches 0 or 1 (else a check against 1 would
+    # specialise); off elsewhere, also inside sw.compile's Dynamo trace, which has it on. Where
+    # it is on, AOTAutograd restrides saved activations to the strides of the traced value (its
+    # check `stride != hint` is undecidable then): the backward of a range variant asserted the
+    # strides of one size (found by a user trial: x [2, T, 32] saved for a LayerNorm backward).
+    reaches_one = any(lo <= 1 for lo, _ in variant.binding.bounds()) or _has_unbound_symbols(piece, variant)
+    oblivious = _compat.no_zero_one_specialisation(mode is not None and reaches_one)
     with _compat.fresh_tracing_context(mode), oblivious:
         if backend == "inductor":
             fn = _compat.standalone_compile(_copy_gm(piece.gm), args, static=static, options=options)
@@ -101,6 +106,12 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
                 f"hold over the whole range: {'; '.join(bad)}; split the range or compile those sizes statically"
             )
     return fn
+
+
+def _has_unbound_symbols(piece: Piece, variant: Variant) -> bool:
+    """Whether the piece has symbols no binding fixes (data-dependent sizes: ranges from 0)."""
+    bound = {s for s, _ in variant.binding.items}
+    return piece.shapes is not None and any(s not in bound for s in piece.shapes.symbols)
 
 
 def _backend_id(backend: Any) -> tuple[str, bool]:
@@ -177,7 +188,7 @@ class CompileSession:
             return None, False
         options = repr(sorted(self.lower.options_for(variant.binding).items()))
         parts = [
-            "shapewise-variant/1",
+            "shapewise-variant/2",
             f"graph={gk.digest}",
             f"binding={binding_key(gk, piece.shapes, variant.binding)}",
             f"static={variant.binding.is_static}",
