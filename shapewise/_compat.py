@@ -31,6 +31,7 @@ __all__ = [
     "eager_backward",
     "fresh_tracing_context",
     "no_zero_one_specialisation",
+    "own_recompile_budget",
     "node_value",
     "placeholder_source",
     "shape_env_of",
@@ -122,6 +123,19 @@ def no_zero_one_specialisation(on: bool = True) -> Iterator[None]:
     import torch.fx.experimental._config as fx_config
 
     with fx_config.patch(backed_size_oblivious=on):
+        yield
+
+
+@contextlib.contextmanager
+def own_recompile_budget(extra: int = 1024) -> Iterator[None]:
+    """Let this trace go past Dynamo's recompile limit for the code it traces. Each
+    ``shapewise.compile`` has its own backend, so Dynamo keeps one cache entry per compiled
+    model on the shared ``forward`` code of their class; the 9th model of a class would hit the
+    limit (8), which fullgraph=True makes an error. shapewise bounds its own traces per model."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit + extra,
+                             accumulated_recompile_limit=dynamo_config.accumulated_recompile_limit + extra):
         yield
 
 

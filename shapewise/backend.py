@@ -276,7 +276,7 @@ class ShapewiseModule:
             self._mark(args, kwargs)
             self._local.tracing = True
             try:
-                with _compat.no_zero_one_specialisation():
+                with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget():
                     out = self._compiled(*args, **kwargs)
             finally:
                 self._local.tracing = False

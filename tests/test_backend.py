@@ -236,3 +236,14 @@ def test_report_table_shows_the_first_line_of_an_error():
     assert "second line" in report[0]["error"]  # the row keeps it all
     text = str(report)
     assert "first line of the cause..." in text and "second line" not in text
+
+
+def test_many_compiled_models_of_one_class():
+    # Each sw.compile has its own backend: Dynamo keeps an entry per model on the class's shared
+    # forward code, and the 9th hit its recompile limit (an error under fullgraph=True).
+    for i in range(11):
+        model = _PerRow()
+        fast = sw.compile(model, sizes=[2, 4], backend="eager")
+        for n in (2, 4):
+            x = torch.randn(n, 16)
+            assert_same(fast(x), model(x), f"model {i}, n={n}")
