@@ -103,9 +103,28 @@ def trace_guards(shape_env) -> list[tuple[sympy.Basic, str]]:
         where = ""
         sloc = getattr(g, "sloc", None)
         if sloc is not None:
-            where = str(getattr(sloc, "maybe_user_loc", "") or "").strip()
+            where = _repair_location(str(getattr(sloc, "maybe_user_loc", "") or "").strip())
         out.append((g.expr, where))
     return out
+
+
+def _repair_location(where: str) -> str:
+    """torch shortens a file path by its common path with torch's folder; for a file outside
+    it that is ``/``, and the first letter after it is lost (``/tmp/m.py`` → ``mp/m.py``).
+    Put it back when exactly that path exists."""
+    import os
+    import re
+
+    m = re.search(r"# (\S+):(\d+) in ", where)
+    if m is None or os.path.isabs(m.group(1)) or os.path.exists(m.group(1)):
+        return where
+    path = m.group(1)
+    try:
+        roots = os.listdir("/")
+    except OSError:
+        return where
+    fixed = [f"/{e[0]}{path}" for e in roots if e and path.startswith(e[1:] + "/") and os.path.exists(f"/{e[0]}{path}")]
+    return where[:m.start(1)] + fixed[0] + where[m.end(1):] if len(fixed) == 1 else where
 
 
 __all__ += ["compute_required_storage_length", "make_symint", "range_guard_violations", "symbolic_env"]

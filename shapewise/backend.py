@@ -226,12 +226,14 @@ class ShapewiseModule:
                     if isinstance(e, sympy.Symbol):
                         names.setdefault(e, name)
         self._symbol_names = names
-        # A second trace exists because a call failed the first one's guards: it serves the
+        # The first trace leaves out single sizes its guards refuse (a call at one traces again,
+        # at that size; e.g. a trace at batch 1 specialised to it) and refuses such ranges up
+        # front. A later trace exists because a call failed the first one's guards: it serves the
         # sizes its own guards allow (a size only the first trace can serve is skipped, not an
         # error for a call that did not ask for it).
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
                                                           "on_miss": self._on_miss,
-                                                          "refused": "skip" if self.runnables else "error"})
+                                                          "refused": "skip" if self.runnables else "skip-sizes"})
         self.runnables.append(runnable)
         self._watch = runnable.program.attrs.get("compile_watch", self._watch)
         return runnable

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -78,12 +80,27 @@ def test_two_named_dims_product_of_sizes():
         fast(torch.randn(3, 128))
 
 
-def test_guard_violation_names_size_and_guard():
+def test_refused_size_is_named_with_its_guard_and_left_to_another_trace(caplog):
     def pairs(x):
         return x.view(-1, 2, x.shape[1]).sum(1)
 
     fast = sw.compile(pairs, sizes=[2, 4, 6, 7], backend="eager")
-    with pytest.raises(sw.GuardViolation, match=r"size \{n=7\} contradicts the trace's guard `.*Mod"):
+    x = torch.randn(4, 3)
+    with caplog.at_level("WARNING", logger="shapewise"):
+        assert_same(fast(x), pairs(x))
+    assert re.search(r"skipping \{n=7\} in this trace: size \{n=7\} contradicts the trace's guard `.*Mod", caplog.text)
+    assert [r["key"] for r in fast.report()] == ["{n=2}", "{n=4}", "{n=6}"]
+    # A call at 7 traces again, at 7, where the model fails as it does in eager.
+    with pytest.raises(RuntimeError, match="is invalid for input of size 21"):
+        fast(torch.randn(7, 3))
+
+
+def test_a_range_a_guard_refuses_is_an_error_up_front():
+    def pairs(x):
+        return x.view(-1, 2, x.shape[1]).sum(1)
+
+    fast = sw.compile(pairs, ranges=[(2, 7)], backend="eager")
+    with pytest.raises(sw.GuardViolation, match=r"range \{n=2\.\.7\} ends at the size \{n=7\}, which contradicts"):
         fast(torch.randn(4, 3))
 
 

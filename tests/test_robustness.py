@@ -329,8 +329,13 @@ def test_sizes_the_trace_refuses_name_the_guard_before_compiling():
         compiled.append(gm)
         return gm.forward
 
-    fast = sw.compile(pairs, sizes=[2, 4, 7], backend=backend)
-    with pytest.raises(sw.GuardViolation, match=r"size \{n=7\} contradicts the trace's guard"):
+    # A Pipeline refuses the size before any compile; sw.compile leaves it out of this trace
+    # (a call at 7 traces again, at 7) and refuses a range the guard cuts, before any compile.
+    gm = dynamo_graph(pairs, torch.randn(4, 3))
+    with pytest.raises(sw.GuardViolation, match=r"size \{s\d+=7\} contradicts the trace's guard"):
+        sw.Pipeline([sw.Concretize(sizes=[2, 4, 7]), sw.Lower(backend=backend)]).run(gm)
+    fast = sw.compile(pairs, sizes=[2], ranges=[(4, 7)], backend=backend)
+    with pytest.raises(sw.GuardViolation, match=r"range \{n=4\.\.7\} ends at the size \{n=7\}"):
         fast(torch.randn(4, 3))
     assert compiled == []
 

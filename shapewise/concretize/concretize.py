@@ -444,8 +444,10 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
 class Concretize(Pass):
     """Bindings from sizes/ranges; per compute piece one ``Variant`` with static example args.
     A binding that contradicts a guard of the trace raises ``GuardViolation``; with
-    ``refused="skip"`` it is left out with a warning (``sw.compile`` does so for the sizes of a
-    second trace, made when a call failed the first one's guards).
+    ``refused="skip"`` it is left out with a warning, with ``"skip-sizes"`` only a single size
+    is (behind Dynamo a call at that size traces again, and a trace at a size admits it; a
+    range has no such promise). ``sw.compile`` uses "skip-sizes" for its first trace and "skip"
+    for later ones; the torch.compile backend entry "skip".
 
     ``Concretize(sizes=(1, 8), ranges=((9, 512),))``; ``Concretize(sizes={"batch": [1, 2], "seq": [128]})``.
     """
@@ -457,8 +459,8 @@ class Concretize(Pass):
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.ranges)  # fail before any trace: typos, sizes <= 0, overlaps
-        if self.refused not in ("error", "skip"):
-            raise ConfigError(f"refused must be 'error' or 'skip', got {self.refused!r}")
+        if self.refused not in ("error", "skip", "skip-sizes"):
+            raise ConfigError(f"refused must be 'error', 'skip' or 'skip-sizes', got {self.refused!r}")
         if _is_int(self.sizes):
             object.__setattr__(self, "sizes", (self.sizes,))
         object.__setattr__(self, "sizes", _freeze(self.sizes) if not isinstance(self.sizes, Mapping) else self.sizes)
@@ -481,7 +483,7 @@ class Concretize(Pass):
             try:
                 check_binding(shapes, b)
             except GuardViolation as e:
-                if self.refused != "skip":
+                if self.refused == "error" or (self.refused == "skip-sizes" and not b.is_static):
                     raise
                 log.warning("shapewise: skipping %s in this trace: %s (a call at that size makes Dynamo trace again)",
                             b.describe(shapes.names), e)

@@ -159,3 +159,13 @@ def test_tensor_meta_records_layout():
     (meta,) = sw.AnalyzeShapes()(gm).shapes.inputs
     assert isinstance(meta, TensorMeta)
     assert all(isinstance(e, sympy.Basic) for e in meta.shape + meta.stride)
+
+
+def test_guard_location_gets_back_the_letter_torch_cuts(tmp_path):
+    from shapewise._compat import _repair_location
+
+    f = tmp_path / "model.py"
+    f.write_text("x = 1\n")
+    cut = str(f)[2:]  # what torch prints for a file outside its folder: "/tmp/..." -> "mp/..."
+    assert _repair_location(f"y = x.view(-1, 2)  # {cut}:3 in forward") == f"y = x.view(-1, 2)  # {f}:3 in forward"
+    assert _repair_location("y  # nowhere/such.py:3 in f") == "y  # nowhere/such.py:3 in f"
