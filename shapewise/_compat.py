@@ -319,17 +319,19 @@ def placeholder_source(node: torch.fx.Node):
 def local_name_of(source, positional: Sequence[str] = ()) -> str | None:
     """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None. When Dynamo
     traced a ``*args, **kwargs`` wrapper (as for torch's own modules, e.g. ``nn.Sequential``),
-    ``L['args'][i]`` is the ``positional[i]`` argument and ``L['kwargs']['k']`` is ``k``."""
+    ``L['args'][i]`` is the ``positional[i]`` argument and ``L['kwargs']['k']`` is ``k``; an
+    element of a tuple/list argument (``L['xs'][0]``) reads that argument."""
     from torch._dynamo.source import DictGetItemSource, GetItemSource, LocalSource
 
     if isinstance(source, LocalSource):
         return source.local_name
-    if isinstance(source, (GetItemSource, DictGetItemSource)) and isinstance(source.base, LocalSource):
-        index = source.index
-        if source.base.local_name == "args" and isinstance(index, int) and 0 <= index < len(positional):
-            return positional[index]
-        if source.base.local_name == "kwargs" and isinstance(index, str):
-            return index
+    if isinstance(source, (GetItemSource, DictGetItemSource)):
+        base, index = source.base, source.index
+        if isinstance(base, LocalSource) and base.local_name == "args":
+            return positional[index] if isinstance(index, int) and 0 <= index < len(positional) else None
+        if isinstance(base, LocalSource) and base.local_name == "kwargs":
+            return index if isinstance(index, str) else None
+        return local_name_of(base, positional)  # an element of a tuple/list argument: that argument
     return None
 
 

@@ -115,6 +115,15 @@ def _specialise_layout_symbols(gm: torch.fx.GraphModule) -> list[str]:
     return fixed
 
 
+def _tensors_of(value: Any) -> list[torch.Tensor]:
+    """A tensor argument, or the tensors of a tuple/list argument (one level)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
 def _op_list(ops: Any) -> tuple[Any, ...]:
     """``splitting_ops`` as a tuple: one op (a name, an op, a callable) or a list of them."""
     return tuple(ops) if isinstance(ops, (list, tuple)) else (ops,)
@@ -194,19 +203,26 @@ class ShapewiseModule:
         dims = self._dims
         if dims is None:
             dims = {k: {0: DEFAULT_DIM_NAME} for k, v in bound.arguments.items()
-                    if isinstance(v, torch.Tensor) and v.dim() > 0}
+                    if any(t.dim() > 0 for t in _tensors_of(v))}
         dims = {a: spec for a, spec in dims.items() if bound.arguments.get(a) is not None}  # optional, left out
+        arg_dims: dict[str, dict[int, str]] = {}
         for arg, spec in dims.items():
-            value = bound.arguments[arg]
-            if not isinstance(value, torch.Tensor):
-                raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(value).__name__}, not a tensor")
-            for d in spec:
-                if not -value.dim() <= d < value.dim():
-                    raise ConfigError(f"dynamic_dims names dim {d} of {arg!r}, which has {value.dim()} dims")
-                # Dims the user named must stay dynamic (Dynamo errors if the model fixes them);
-                # the default (dim 0 of every tensor) only where the model lets it vary.
-                _compat.mark_dynamic(value, d % value.dim(), strict=self._dims is not None)
-        self._arg_dims = {a: {d % bound.arguments[a].dim(): n for d, n in s.items()} for a, s in dims.items()}
+            tensors = _tensors_of(bound.arguments[arg])
+            if not tensors:
+                raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(bound.arguments[arg]).__name__} "
+                                  "with no tensor in it (a tensor, or a tuple/list of tensors, can vary)")
+            for value in tensors:  # a tuple/list argument: the dim of each of its tensors
+                for d in spec:
+                    if not -value.dim() <= d < value.dim():
+                        if self._dims is None:
+                            continue
+                        raise ConfigError(f"dynamic_dims names dim {d} of {arg!r}, which has {value.dim()} dims")
+                    # Dims the user named must stay dynamic (Dynamo errors if the model fixes
+                    # them); the default (dim 0 of every tensor) only where the model lets it vary.
+                    _compat.mark_dynamic(value, d % value.dim(), strict=self._dims is not None)
+            ndim = tensors[0].dim()
+            arg_dims[arg] = {d % ndim if ndim else d: n for d, n in spec.items()}
+        self._arg_dims = arg_dims
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Runnable:
         if not getattr(self._local, "tracing", False):
@@ -222,6 +238,8 @@ class ShapewiseModule:
             value = _compat.node_value(node)
             if arg in self._arg_dims and isinstance(value, torch.Tensor):
                 for d, name in self._arg_dims[arg].items():
+                    if not -value.dim() <= d < value.dim():
+                        continue
                     e = _compat.sym_expr(value.shape[d])
                     if isinstance(e, sympy.Symbol):
                         names.setdefault(e, name)

@@ -264,3 +264,27 @@ def test_many_compiled_models_of_one_class():
         for n in (2, 4):
             x = torch.randn(n, 16)
             assert_same(fast(x), model(x), f"model {i}, n={n}")
+
+
+class _TupleIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, xs, scale: float = 1.0):
+        a, b = xs
+        return self.lin(a) * b * scale
+
+
+@pytest.mark.parametrize("dims", [None, {"xs": 0}])
+def test_tensors_inside_a_tuple_argument_vary(dims):
+    model = _TupleIn()
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 9)], dynamic_dims=dims, backend="aot_eager")
+    for n in (4, 2, 7):
+        xs = (torch.randn(n, 16), torch.randn(n, 16))
+        assert_same(fast(xs), model(xs), f"n={n}")
+    assert fast.traces == 1
+    assert [r["key"] for r in fast.report()] == ["{n=2}", "{n=4}", "{n=5..9}"]
+    with pytest.raises(sw.ConfigError, match="with no tensor in it"):
+        sw.compile(model, sizes=[2], dynamic_dims={"scale": 0}, backend="eager")(
+            (torch.randn(2, 16), torch.randn(2, 16)), scale=2.0)
