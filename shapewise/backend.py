@@ -18,7 +18,7 @@ from shapewise import _compat
 from shapewise.concretize import Concretize
 from shapewise.concretize.concretize import check_sizes
 from shapewise.dispatch.runnable import CompileReport, Runnable
-from shapewise.errors import ConfigError, DispatchMiss, ShapewiseError
+from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.graph_split import Split
 from shapewise.passes import Instrument, Lower, Pipeline, Program
 
@@ -244,6 +244,15 @@ class ShapewiseModule:
                     if isinstance(e, sympy.Symbol):
                         names.setdefault(e, name)
         self._symbol_names = names
+        if not self.runnables and (self._options.get("sizes") or self._options.get("ranges")) and not any(
+                _compat.sym_expr(e).free_symbols for n in gm.graph.nodes if n.op == "placeholder"
+                for v in [_compat.node_value(n)] for e in (v.shape if isinstance(v, torch.Tensor) else
+                                                           [v] if isinstance(v, torch.SymInt) else [])):
+            marked = ", ".join(f"dim {list(d)} of {a!r}" for a, d in self._arg_dims.items()) or "none"
+            raise BindingError(
+                f"the trace has no dynamic size, so there is nothing to bind the sizes and ranges to: the model "
+                f"fixes every dim that was marked dynamic (marked: {marked}); name the dims that vary with "
+                "dynamic_dims={argument: dim}")
         # The first trace leaves out single sizes its guards refuse (a call at one traces again,
         # at that size; e.g. a trace at batch 1 specialised to it) and refuses such ranges up
         # front. A later trace exists because a call failed the first one's guards: it serves the

@@ -288,3 +288,10 @@ def test_tensors_inside_a_tuple_argument_vary(dims):
     with pytest.raises(sw.ConfigError, match="with no tensor in it"):
         sw.compile(model, sizes=[2], dynamic_dims={"scale": 0}, backend="eager")(
             (torch.randn(2, 16), torch.randn(2, 16)), scale=2.0)
+
+
+def test_a_trace_without_dynamic_sizes_says_which_dims_were_marked():
+    fast = sw.compile(nn.Linear(16, 16), sizes=[2, 4], backend="eager")
+    with pytest.raises(sw.BindingError, match=r"the model fixes every dim that was marked dynamic \(marked: dim \[0\] "
+                                              r"of 'input'\); name the dims that vary with dynamic_dims"):
+        fast(torch.randn(16))  # a 1-d input to a Linear: its only dim is fixed at 16
