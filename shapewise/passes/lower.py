@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import sympy
 import torch
 import torch.fx
 
@@ -89,7 +90,7 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     # it is on, AOTAutograd restrides saved activations to the strides of the traced value (its
     # check `stride != hint` is undecidable then): the backward of a range variant asserted the
     # strides of one size (found by a user trial: x [2, T, 32] saved for a LayerNorm backward).
-    reaches_one = any(lo <= 1 for lo, _ in variant.binding.bounds()) or _has_unbound_symbols(piece, variant)
+    reaches_one = mode is not None and _some_size_reaches_one(piece, variant)
     oblivious = _compat.no_zero_one_specialisation(mode is not None and reaches_one)
     with _compat.fresh_tracing_context(mode), oblivious:
         if backend == "inductor":
@@ -108,10 +109,25 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     return fn
 
 
-def _has_unbound_symbols(piece: Piece, variant: Variant) -> bool:
-    """Whether the piece has symbols no binding fixes (data-dependent sizes: ranges from 0)."""
-    bound = {s for s, _ in variant.binding.items}
-    return piece.shapes is not None and any(s not in bound for s in piece.shapes.symbols)
+def _some_size_reaches_one(piece: Piece, variant: Variant) -> bool:
+    """Whether some size in the piece (an input's or an intermediate's: ``n - 1``, ``(n + 1) // 2``)
+    is 0 or 1 at a corner of the variant's ranges, or the piece has symbols no binding fixes
+    (data-dependent sizes, from 0)."""
+    import itertools
+
+    from shapewise.concretize.concretize import _size_exprs
+
+    bound = dict(variant.binding.items)
+    if piece.shapes is not None and any(s not in bound for s in piece.shapes.symbols):
+        return True
+    ends = [(s, (v,) if isinstance(v, int) else v) for s, v in bound.items()]
+    corners = [dict(zip([s for s, _ in ends], c)) for c in itertools.product(*(e for _, e in ends))]
+    for e in _size_exprs(piece.gm):
+        for c in corners:
+            v = e.xreplace({s: sympy.Integer(x) for s, x in c.items()})
+            if v.free_symbols or v <= 1:
+                return True
+    return False
 
 
 def _backend_id(backend: Any) -> tuple[str, bool]:
