@@ -316,22 +316,26 @@ def placeholder_source(node: torch.fx.Node):
     return getattr(grapharg, "source", None) if grapharg is not None else None
 
 
-def local_name_of(source, positional: Sequence[str] = ()) -> str | None:
+def local_name_of(source, positional: Sequence[str] = (), var_positional: str | None = None,
+                  var_keyword: str | None = None) -> str | None:
     """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None. When Dynamo
     traced a ``*args, **kwargs`` wrapper (as for torch's own modules, e.g. ``nn.Sequential``),
-    ``L['args'][i]`` is the ``positional[i]`` argument and ``L['kwargs']['k']`` is ``k``; an
-    element of a tuple/list argument (``L['xs'][0]``) reads that argument."""
+    ``L['args'][i]`` is the ``positional[i]`` argument (past them: the model's ``*args``, named
+    ``var_positional``) and ``L['kwargs']['k']`` is ``k``; an element of a tuple/list argument
+    (``L['xs'][0]``) reads that argument. A model whose own ``*args`` / ``**kwargs`` are called
+    so is read as itself."""
     from torch._dynamo.source import DictGetItemSource, GetItemSource, LocalSource
 
     if isinstance(source, LocalSource):
         return source.local_name
     if isinstance(source, (GetItemSource, DictGetItemSource)):
         base, index = source.base, source.index
-        if isinstance(base, LocalSource) and base.local_name == "args":
-            return positional[index] if isinstance(index, int) and 0 <= index < len(positional) else None
-        if isinstance(base, LocalSource) and base.local_name == "kwargs":
+        if isinstance(base, LocalSource) and base.local_name == "args" and var_positional != "args":
+            return positional[index] if isinstance(index, int) and 0 <= index < len(positional) else var_positional
+        if isinstance(base, LocalSource) and base.local_name == "kwargs" and var_keyword != "kwargs":
             return index if isinstance(index, str) else None
-        return local_name_of(base, positional)  # an element of a tuple/list argument: that argument
+        # An element of a tuple/list argument (or of the model's own *args): that argument.
+        return local_name_of(base, positional, var_positional, var_keyword)
     return None
 
 

@@ -174,6 +174,8 @@ class ShapewiseModule:
         params = self._signature.parameters
         self._positional = [n for n, p in params.items()
                             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        self._var_names = tuple(next((n for n, p in params.items() if p.kind == kind), None)
+                                for kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD))
         self._dims: dict[str, dict[int, str]] | None = None
         if dynamic_dims is not None:
             self._dims = {}
@@ -234,7 +236,7 @@ class ShapewiseModule:
         for node in gm.graph.nodes:
             if node.op != "placeholder":
                 continue
-            arg = _compat.local_name_of(_compat.placeholder_source(node), self._positional)
+            arg = _compat.local_name_of(_compat.placeholder_source(node), self._positional, *self._var_names)
             value = _compat.node_value(node)
             if arg in self._arg_dims and isinstance(value, torch.Tensor):
                 for d, name in self._arg_dims[arg].items():

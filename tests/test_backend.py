@@ -295,3 +295,17 @@ def test_a_trace_without_dynamic_sizes_says_which_dims_were_marked():
     with pytest.raises(sw.BindingError, match=r"the model fixes every dim that was marked dynamic \(marked: dim \[0\] "
                                               r"of 'input'\); name the dims that vary with dynamic_dims"):
         fast(torch.randn(16))  # a 1-d input to a Linear: its only dim is fixed at 16
+
+
+def _star_args(*args):
+    return args[0] * 2 + args[1]
+
+
+def test_a_model_whose_own_parameter_is_star_args():
+    # Dynamo's source for it is L['args'][i], as for torch's own *args wrapper around a
+    # forward(self, x): it must read as the model's `args`, not as a positional parameter.
+    fast = sw.compile(_star_args, dynamic_dims={"args": {0: "b"}}, sizes={"b": [2, 4]}, backend="eager")
+    for n in (2, 4):
+        a, b = torch.randn(n, 3), torch.randn(n, 3)
+        assert_same(fast(a, b), _star_args(a, b))
+    assert [r["key"] for r in fast.report()] == ["{b=2}", "{b=4}"]

@@ -499,10 +499,7 @@ def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],
     pieces = tuple(pieces)
     out = []
     modes = {b: FakeTensorMode() for b in bindings if b.is_static}
-    observed = {}
-    if program is not None:
-        small = _size_exprs(program.gm)
-        observed = {b: observed_inputs(program, b) for b in modes if _some_size_at_most_one(small, b)}
+    observed = {b: observed_inputs(program, b) for b in modes} if program is not None else {}
     for p in pieces:
         if p.is_splitting:
             out.append(p)
@@ -529,26 +526,16 @@ def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:
     return exprs
 
 
-def _some_size_at_most_one(exprs: Iterable[sympy.Expr], binding: Binding) -> bool:
-    """Whether some size of the trace is 0 or 1 under the static ``binding``: the only sizes at
-    which eager can lay a tensor out otherwise than the trace, which treats every symbolic size
-    as >= 2 (size-oblivious); any other difference would have been a guard of the trace."""
-    values = {s: sympy.Integer(v) for s, v in binding.static_values().items()}
-    for e in exprs:
-        v = e.xreplace(values)
-        if not v.free_symbols and v <= 1:
-            return True
-    return False
-
-
 def observed_inputs(program: Program, binding: Binding) -> dict[str, tuple[Any, ...]]:
     """Each piece's inputs as eager makes them at the static ``binding``: the split program run
     on fake tensors of that size, every piece as its own graph.
 
     The trace's layouts are symbolic and size-oblivious; at one size eager can lay a tensor out
-    otherwise (at n=1, ``x[:, None].expand(-1, 2, -1).reshape(-1, k)`` is a stride-0 view, not
-    the copy the trace shows), and a piece compiled for the traced layout would read it wrong.
-    A piece whose propagation fails keeps the traced layouts (logged at debug level)."""
+    otherwise, and a piece compiled for the traced layout would read it wrong: at n=1
+    ``x[:, None].expand(-1, 2, -1).reshape(-1, k)`` is a stride-0 view, not the copy the trace
+    shows; at n=8 ``x.t().contiguous().t()[::3] * 2`` is column-major (the order depends on
+    n vs 3, which the trace leaves undecided, with no guard). A piece whose propagation fails
+    keeps the traced layouts (logged at debug level)."""
     shapes = program.shapes
     if shapes is None or program.graph is None:
         return {}

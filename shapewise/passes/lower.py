@@ -85,12 +85,15 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     # Symbolic args: a range variant, or a piece whose inputs have data-dependent sizes.
     mode = _fake_mode_of(args) if _is_symbolic(args) else None
     static = mode is None
-    # Size-oblivious reasoning only where a range reaches 0 or 1 (else a check against 1 would
-    # specialise); off elsewhere, also inside sw.compile's Dynamo trace, which has it on. Where
-    # it is on, AOTAutograd restrides saved activations to the strides of the traced value (its
-    # check `stride != hint` is undecidable then): the backward of a range variant asserted the
-    # strides of one size (found by a user trial: x [2, T, 32] saved for a LayerNorm backward).
-    reaches_one = mode is not None and _some_size_reaches_one(piece, variant)
+    # Range compiles reason size-obliviously, as the trace did, so the layouts a piece
+    # produces are the ones the next piece was compiled for (otherwise an undecided stride
+    # order, n vs 3, is decided by the hint, against the trace). Except in training where no
+    # size of the piece reaches 0 or 1: there AOTAutograd would restride saved activations to
+    # the strides of the range's trace value (its check `stride != hint` is undecidable when
+    # oblivious), and the backward asserted the strides of one size (x [2, T, 32] saved for a
+    # LayerNorm backward failed at every T but one; found by a user trial).
+    training = torch.is_grad_enabled() and any(getattr(a, "requires_grad", False) for a in args)
+    reaches_one = mode is not None and (not training or _some_size_reaches_one(piece, variant))
     oblivious = _compat.no_zero_one_specialisation(mode is not None and reaches_one)
     with _compat.fresh_tracing_context(mode), oblivious:
         if backend == "inductor":
@@ -123,6 +126,8 @@ def _some_size_reaches_one(piece: Piece, variant: Variant) -> bool:
     ends = [(s, (v,) if isinstance(v, int) else v) for s, v in bound.items()]
     corners = [dict(zip([s for s, _ in ends], c)) for c in itertools.product(*(e for _, e in ends))]
     for e in _size_exprs(piece.gm):
+        if any(type(f).__name__ in ("Mod", "PythonMod") for f in e.atoms(sympy.Function)):
+            return True  # not monotone: n % 4 is 0 and 1 inside (2, 7), at neither end
         for c in corners:
             v = e.xreplace({s: sympy.Integer(x) for s, x in c.items()})
             if v.free_symbols or v <= 1:

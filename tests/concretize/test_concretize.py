@@ -169,3 +169,21 @@ def test_guard_location_gets_back_the_letter_torch_cuts(tmp_path):
     cut = str(f)[2:]  # what torch prints for a file outside its folder: "/tmp/..." -> "mp/..."
     assert _repair_location(f"y = x.view(-1, 2)  # {cut}:3 in forward") == f"y = x.view(-1, 2)  # {f}:3 in forward"
     assert _repair_location("y  # nowhere/such.py:3 in f") == "y  # nowhere/such.py:3 in f"
+
+
+def _column_major_after(x):
+    # The order of z's strides depends on n vs 3, which the size-oblivious trace leaves undecided
+    # (row-major, no guard); eager at n=8 makes it column-major (1, 3). No size is 0 or 1.
+    z = x.t().contiguous().t()[::3] * 2
+    s = torch.ops.shapewise_toy.attention(x[None], x[None], x[None])[0]
+    return z + s[::3]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_static_variant_layout_where_the_trace_left_the_order_undecided(backend):
+    gm = dynamo_graph(_column_major_after, torch.randn(7, 5))
+    runnable = sw.Pipeline([sw.Split(ops=["shapewise_toy::attention"]), sw.Concretize(sizes=[2, 8]),
+                            sw.Lower(backend=backend)]).run(gm)
+    for n in (8, 2):
+        x = torch.randn(n, 5)
+        torch.testing.assert_close(runnable(n, x), gm(n, x), msg=f"n={n}")
