@@ -499,7 +499,17 @@ def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],
     pieces = tuple(pieces)
     out = []
     modes = {b: FakeTensorMode() for b in bindings if b.is_static}
-    observed = {b: observed_inputs(program, b) for b in modes} if program is not None else {}
+    observed = {}
+    if program is not None and modes:
+        from shapewise.graph_key import graph_key
+
+        memo: dict[Any, Any] = {}  # identical layers at one size lay their outputs out alike: run one
+        digests = {}
+        for p in pieces:
+            gk = graph_key(p.gm, p.shapes)
+            digests[p.name] = gk.digest if gk is not None else None
+        shared = (FakeTensorMode(allow_non_fake_inputs=True), {})  # one mode; parameters made once
+        observed = {b: observed_inputs(program, b, memo, digests, shared) for b in modes}
     for p in pieces:
         if p.is_splitting:
             out.append(p)
@@ -526,7 +536,29 @@ def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:
     return exprs
 
 
-def observed_inputs(program: Program, binding: Binding) -> dict[str, tuple[Any, ...]]:
+def _layout_of(value: Any) -> Any:
+    """A hashable description of a value's layout (a tensor's) or of the value itself."""
+    if isinstance(value, torch.Tensor):
+        return ("t", tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype,
+                value.device)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ("v", value)
+    raise TypeError(type(value).__name__)
+
+
+def _from_layout(desc: Any) -> Any:
+    if desc[0] == "v":
+        return desc[1]
+    _, shape, stride, offset, dtype, device = desc
+    if offset == 0:
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    return torch.empty(max(storage_length(shape, stride, offset), 1), dtype=dtype, device=device).as_strided(
+        shape, stride, offset)
+
+
+def observed_inputs(program: Program, binding: Binding, memo: dict[Any, Any] | None = None,
+                    digests: Mapping[str, str | None] | None = None,
+                    shared: tuple[FakeTensorMode, dict[Any, Any]] | None = None) -> dict[str, tuple[Any, ...]]:
     """Each piece's inputs as eager makes them at the static ``binding``: the split program run
     on fake tensors of that size, every piece as its own graph.
 
@@ -535,24 +567,56 @@ def observed_inputs(program: Program, binding: Binding) -> dict[str, tuple[Any, 
     ``x[:, None].expand(-1, 2, -1).reshape(-1, k)`` is a stride-0 view, not the copy the trace
     shows; at n=8 ``x.t().contiguous().t()[::3] * 2`` is column-major (the order depends on
     n vs 3, which the trace leaves undecided, with no guard). A piece whose propagation fails
-    keeps the traced layouts (logged at debug level)."""
+    keeps the traced layouts (logged at debug level).
+
+    ``memo`` (shared across bindings) with ``digests`` (each piece's content key): a piece whose
+    content and input layouts were seen already is not run again; its outputs are rebuilt from
+    the layouts it gave then (the layers of a model are one piece, many times). ``shared``: a
+    fake mode and a cache of program inputs by layout, for several bindings (the parameters)."""
     shapes = program.shapes
     if shapes is None or program.graph is None:
         return {}
     values = binding.static_values()
     if any(s not in values for s in shapes.symbols):
         return {}
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode, made = shared if shared is not None else (FakeTensorMode(allow_non_fake_inputs=True), {})
     seen: dict[str, tuple[Any, ...]] = {}
 
     def recorder(piece: Piece):
+        digest = (digests or {}).get(piece.name)
+
         def call(*args):
             seen[piece.name] = args
-            return piece.gm.forward(*args)
+            if memo is None or digest is None:
+                return piece.gm.forward(*args)
+            try:
+                key = (digest, tuple(_layout_of(a) for a in args))
+            except TypeError:
+                return piece.gm.forward(*args)
+            if key in memo:
+                outs = memo[key]
+                return tuple(_from_layout(d) for d in outs) if isinstance(outs, tuple) else _from_layout(outs)
+            out = piece.gm.forward(*args)
+            try:
+                memo[key] = tuple(_layout_of(o) for o in out) if isinstance(out, (tuple, list)) else _layout_of(out)
+            except TypeError:
+                pass
+            return out
         return call
 
     try:
-        args = _materialise(Piece("program", program.graph, shapes=shapes), mode, values, values, symbolic=False)
+        args = []
+        with mode:
+            for meta in shapes.inputs:
+                if isinstance(meta, TensorMeta):
+                    desc = ("t", tuple(evaluate(e, values) for e in meta.shape),
+                            tuple(evaluate(e, values) for e in meta.stride), evaluate(meta.offset, values),
+                            meta.dtype, meta.device)
+                    if desc not in made:
+                        made[desc] = _from_layout(desc)
+                    args.append(made[desc])
+                else:
+                    args.append(evaluate(meta, values) if isinstance(meta, sympy.Basic) else meta)
         from shapewise.dispatch.runnable import make_runner
 
         run = make_runner(program.graph, {p.name: recorder(p) for p in program.pieces})
