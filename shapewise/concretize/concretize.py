@@ -388,8 +388,11 @@ def _materialise(piece: Piece, mode: FakeTensorMode, exprs: Mapping[sympy.Symbol
                 stride = [conv(e) for e in meta.stride]
                 offset = conv(meta.offset)
                 seen = observed[i] if observed is not None and i < len(observed) else None
-                if isinstance(seen, torch.Tensor) and list(seen.shape) == shape and seen.dtype == meta.dtype:
+                if not symbolic and isinstance(seen, torch.Tensor) and list(seen.shape) == shape \
+                        and seen.dtype == meta.dtype:
                     stride, offset = list(seen.stride()), seen.storage_offset()
+                elif symbolic and isinstance(seen, tuple) and len(seen[0]) == len(meta.stride):
+                    stride, offset = [conv(e) for e in seen[0]], conv(seen[1])  # exprs over the trace's symbols
                 with mode:
                     if symbolic and offset == 0:
                         t = torch.empty_strided(shape, stride, dtype=meta.dtype, device=meta.device)
@@ -417,7 +420,8 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
     """Example inputs for compiling ``piece`` under ``binding``.
 
     Static: fake tensors with concrete shape/stride/offset on exactly the storage they need;
-    strides and offsets from ``observed`` where given (see ``observed_inputs``).
+    strides and offsets from ``observed`` where given (see ``observed_inputs``). Ranges:
+    ``observed`` gives (strides, offset) as expressions over the trace's symbols.
     Ranges: fake tensors over a fresh ShapeEnv whose symbols carry the range as bounds (so a
     compile can neither add guards to the trace nor assume the traced size).
     """
@@ -436,7 +440,7 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
     static = binding.static_values()
     exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}
     values = {**static, **{s: h for s, (_, _, h) in ranged.items()}}
-    return _materialise(piece, mode, exprs, values, symbolic=True)
+    return _materialise(piece, mode, exprs, values, symbolic=True, observed=observed)
 
 
 @register_pass
@@ -510,6 +514,8 @@ def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],
             digests[p.name] = gk.digest if gk is not None else None
         shared = (FakeTensorMode(allow_non_fake_inputs=True), {})  # one mode; parameters made once
         observed = {b: observed_inputs(program, b, memo, digests, shared) for b in modes}
+    if program is not None:
+        observed.update({b: observed_range_inputs(program, b) for b in bindings if not b.is_static})
     for p in pieces:
         if p.is_splitting:
             out.append(p)
@@ -534,6 +540,54 @@ def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:
     for node in gm.graph.nodes:
         visit(_compat.node_value(node))
     return exprs
+
+
+def observed_range_inputs(program: Program, binding: Binding) -> dict[str, tuple[Any, ...]]:
+    """Each piece's input layouts, as (strides, offset) over the trace's symbols, as the split
+    program makes them on fake tensors bounded by the ``binding``'s ranges.
+
+    A range variant is compiled knowing its bounds, and so decides what the trace left
+    undecided: over (3, 7), ``x.t().contiguous().t()[::3] * 2`` is column-major (``3 <= n``
+    holds), where the trace (n >= 2) kept row-major; the next piece must be compiled for the
+    layout the range variant before it makes. Failures keep the traced layouts."""
+    shapes = program.shapes
+    if shapes is None or program.graph is None:
+        return {}
+    hints = shapes.hints
+    ranged = {s: (v[0], v[1], _range_hint(v[0], v[1], hints.get(s)))
+              for s, v in binding.items if not isinstance(v, int)}
+    if any(s not in dict(binding.items) for s in shapes.symbols):
+        return {}
+    seen: dict[str, tuple[Any, ...]] = {}
+    try:
+        mode, new = _compat.symbolic_env(ranged)
+        static = binding.static_values()
+        exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}
+        values = {**static, **{s: h for s, (_, _, h) in ranged.items()}}
+        args = _materialise(Piece("program", program.graph, shapes=shapes), mode, exprs, values, symbolic=True)
+        back = {v: k for k, v in new.items()}
+        recorded: dict[str, tuple[Any, ...]] = {}
+
+        def recorder(piece: Piece):
+            def call(*a):
+                recorded[piece.name] = a
+                return piece.gm.forward(*a)
+            return call
+
+        from shapewise.dispatch.runnable import make_runner
+
+        run = make_runner(program.graph, {p.name: recorder(p) for p in program.pieces})
+        with mode, torch.no_grad(), _compat.no_zero_one_specialisation():
+            run(*args)
+    except Exception as e:  # noqa: BLE001 - the traced layouts are the fallback
+        log.debug("shapewise: layouts over %s not observed (%s: %s)", binding, type(e).__name__, e)
+        return {}
+    for name, a in recorded.items():
+        seen[name] = tuple(
+            (tuple(sympy.sympify(_compat.sym_expr(d)).xreplace(back) for d in t.stride()),
+             sympy.sympify(_compat.sym_expr(t.storage_offset())).xreplace(back))
+            if isinstance(t, torch.Tensor) else None for t in a)
+    return seen
 
 
 def _layout_of(value: Any) -> Any:

@@ -64,11 +64,10 @@ def _is_symbolic(args: list[Any]) -> bool:
 
 
 def _static_layouts(variant: Variant) -> str:
-    """The concrete strides and offsets of a static variant's tensor inputs: eager may lay an
-    input out otherwise at one size than the trace says (see ``concretize.observed_inputs``),
-    so two equal pieces share a static compile only when their inputs agree."""
-    if not variant.binding.is_static:
-        return "-"
+    """The strides and offsets of a variant's tensor inputs (ints, or expressions over its own
+    fresh symbols s0, s1, ... for a range): eager, or a range compile, may lay an input out
+    otherwise than the trace says (see ``concretize.observed_inputs``), so two equal pieces
+    share a compile only when their inputs agree."""
     return ";".join(f"{tuple(a.stride())}+{a.storage_offset()}" if isinstance(a, torch.Tensor) else "."
                     for a in variant.example_args)
 
