@@ -403,3 +403,20 @@ def test_a_failed_inductor_compile_leaves_nothing_in_the_cache(tmp_path):
     assert all(cache.load(k) is not None for k in cache.keys())
     leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith((".swa", ".lock"))]
     assert leftovers == []
+
+
+class _ReadsAValue(torch.nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
+def test_a_piece_that_reads_a_value_says_what_to_do():
+    fast = sw.compile(_ReadsAValue(), sizes=[2, 4], backend="aot_eager")
+    with pytest.raises(sw.CompileError, match=r"failed \(the piece reads a tensor's value: \.item\(\).*"
+                                              r"on_compile_error='fallback'"):
+        fast(torch.randn(2, 8))
+    fallback = sw.compile(_ReadsAValue(), sizes=[2, 4], backend="aot_eager", on_compile_error="fallback")
+    for n in (2, 4):
+        x = torch.randn(n, 8)
+        assert_same(fallback(x), _ReadsAValue()(x), f"n={n}")
+    assert {r["source"] for r in fallback.report()} == {"fallback"}

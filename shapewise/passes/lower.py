@@ -259,8 +259,13 @@ class CompileSession:
                     if lower.dedupe:
                         self._memo[key] = fn
         except Exception as e:  # noqa: BLE001 - reported with context below
+            hint = ""
+            if "DataDependent" in type(e).__name__ or "DataDependent" in str(e):
+                hint = (" (the piece reads a tensor's value: .item(), nonzero, a data-dependent size, which a "
+                        "compile from example inputs cannot; pass on_compile_error='fallback' to run this piece "
+                        "eagerly, or register the op that does it as a splitting op)")
             msg = (f"compiling {piece.name} for {variant.binding.describe(names)} with backend "
-                   f"{lower.backend_name!r} failed: {type(e).__name__}: {e}")
+                   f"{lower.backend_name!r} failed{hint}: {type(e).__name__}: {e}")
             if lower.on_compile_error != "fallback":
                 raise CompileError(msg) from e
             log.warning("shapewise: %s; running this variant eagerly instead", msg)
