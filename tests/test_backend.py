@@ -309,3 +309,13 @@ def test_a_model_whose_own_parameter_is_star_args():
         a, b = torch.randn(n, 3), torch.randn(n, 3)
         assert_same(fast(a, b), _star_args(a, b))
     assert [r["key"] for r in fast.report()] == ["{b=2}", "{b=4}"]
+
+
+def test_two_sizes_under_one_name_are_told_apart_in_messages():
+    def two(a, b):
+        return a.sum(0) + b.sum(0)
+
+    fast = sw.compile(two, sizes=[4], backend="eager")  # both dim 0s are named "n" by default
+    fast(torch.randn(4, 3), torch.randn(4, 3))
+    with pytest.raises(sw.DispatchMiss, match=r"size \{n\[s\d+\]=4, n\[s\d+\]=6\}: compiled sizes: \{n\[s\d+\]=4, "):
+        fast(torch.randn(4, 3), torch.randn(6, 3))

@@ -95,7 +95,8 @@ class DispatchTable:
                 self._cells[cell] = new
 
     def describe_key(self, key: tuple) -> str:
-        return "{" + ", ".join(f"{self.names.get(s, str(s))}={v}" for s, v in zip(self.symbols, key)) + "}"
+        """``{n=8}``, written as ``Binding.describe`` writes it (a shared name told apart by the symbol)."""
+        return Binding(tuple(zip(self.symbols, key))).describe(self.names)
 
     def find_range(self, key: tuple) -> Callable[..., Any] | None:
         cell = []

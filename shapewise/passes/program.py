@@ -119,11 +119,13 @@ class Binding:
         return tuple((v, v) if isinstance(v, int) else v for _, v in self.items)
 
     def describe(self, names: Mapping[sympy.Symbol, str] | None = None) -> str:
+        """``{n=8}``; a name that several symbols share is told apart by the symbol: ``{n[s1]=4, n[s2]=6}``."""
         names = names or {}
+        shown = [names.get(s, str(s)) for s, _ in self.items]
         parts = []
-        for s, v in self.items:
+        for (s, v), name in zip(self.items, shown):
             val = str(v) if isinstance(v, int) else f"{v[0]}..{v[1] if v[1] < 2**63 - 1 else 'inf'}"
-            parts.append(f"{names.get(s, str(s))}={val}")
+            parts.append(f"{name if shown.count(name) == 1 else f'{name}[{s}]'}={val}")
         return "{" + ", ".join(parts) + "}"
 
     def __str__(self) -> str:
