@@ -11,6 +11,7 @@ front, no shapewise checks). Writes ``benchmarks/results/guards.json`` and print
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -108,7 +109,8 @@ def main() -> None:
     rows["overhead_ns"] = rows["guarded_ns"] - rows["bare_ns"]
     meta = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
             "cpu": _cpu(), "threads": torch.get_num_threads(), "backend": opts.backend,
-            "size_asserts": not opts.no_size_asserts, "model": "MLP(32, 64), n=8"}
+            "size_asserts": not opts.no_size_asserts, "model": "MLP(32, 64), n=8",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     out = {"meta": meta, "results": rows}
     folder = Path(__file__).parent / "results" / "guards"
     folder.mkdir(parents=True, exist_ok=True)
@@ -138,6 +140,7 @@ def write_table(folder: Path) -> None:
     meta = next(iter(runs.values()))["meta"]
     lines = [f"# Input guards: per-call cost ({meta['model']}, Inductor, CPU)", "",
              f"{meta['cpu']}, torch {meta['torch']}, Python {meta['python']}, {meta['threads']} thread; "
+             f"run {', '.join(r['meta'].get('date', 'on a date not recorded') for r in runs.values())}; "
              "best of interleaved rounds. `python benchmarks/bench_guards.py [--no-size-asserts]`.", "",
              "| | " + " | ".join(runs) + " |", "|---|" + "---:|" * len(runs)]
     for key, label in labels.items():

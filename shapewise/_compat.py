@@ -6,7 +6,7 @@ Supported: torch >= 2.11 (GPU machine: 2.11.0; CPU machines: 2.13.0).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -32,6 +32,7 @@ __all__ = [
     "fresh_tracing_context",
     "no_zero_one_specialisation",
     "own_recompile_budget",
+    "evaluate_at",
     "node_value",
     "placeholder_source",
     "shape_env_of",
@@ -187,6 +188,21 @@ def symbolic_env(symbols: dict[sympy.Symbol, tuple[int, int, int]]):
         env.constrain_symbol_range(e, compiler_min=lo, compiler_max=hi)
         new[old] = e
     return mode, new
+
+
+def evaluate_at(value: Any, values: Mapping[sympy.Symbol, int]) -> int:
+    """An int, or a SymInt of a ``symbolic_env`` (its symbols stand for the trace's symbols
+    they were made for), evaluated at ``values`` given over the trace's symbols."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    expr = value.node.expr
+    env = value.node.shape_env
+    by_name = {f"shapewise_{s}": sympy.Integer(v) for s, v in values.items()}
+    subs = {}
+    for sym in expr.free_symbols:
+        names = [src.name for src in env.var_to_sources.get(sym, [])]
+        subs[sym] = next(by_name[n] for n in names if n in by_name)
+    return int(expr.xreplace(subs))
 
 
 def make_symint(mode: FakeTensorMode, expr: sympy.Expr, hint: int) -> Any:

@@ -9,7 +9,7 @@ import itertools
 import logging
 import math
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -432,7 +432,14 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
     if binding.is_static and not free:
         values = binding.static_values()
         return _materialise(piece, mode or FakeTensorMode(), values, values, symbolic=False, observed=observed)
-    hints = piece.shapes.hints
+    mode, new, exprs, values = _range_env(binding, piece.shapes.hints, free)
+    return _materialise(piece, mode, exprs, values, symbolic=True, observed=observed)
+
+
+def _range_env(binding: Binding, hints: Mapping[sympy.Symbol, int], free: Sequence[sympy.Symbol] = ()):
+    """A fresh ShapeEnv for ``binding``: one new symbol per ranged (or ``free``) symbol, bounded
+    by its range and hinted at ``_range_hint``. Returns (mode, {old: new symbol}, {old: new
+    symbol or Integer}, {old: hint or value})."""
     ranged = {s: (v[0], v[1], _range_hint(v[0], v[1], hints.get(s))) for s, v in binding.items
               if not isinstance(v, int)}
     ranged.update({s: (0, INT_MAX, _range_hint(0, INT_MAX, hints.get(s))) for s in free})
@@ -440,7 +447,7 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
     static = binding.static_values()
     exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}
     values = {**static, **{s: h for s, (_, _, h) in ranged.items()}}
-    return _materialise(piece, mode, exprs, values, symbolic=True, observed=observed)
+    return mode, new, exprs, values
 
 
 @register_pass
@@ -526,22 +533,6 @@ def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],
     return tuple(out)
 
 
-def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:
-    """Every symbolic size of every value in ``gm`` (each expression once)."""
-    exprs: set[sympy.Expr] = set()
-
-    def visit(v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            exprs.update(d.node.expr for d in v.shape if isinstance(d, torch.SymInt))
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x)
-
-    for node in gm.graph.nodes:
-        visit(_compat.node_value(node))
-    return exprs
-
-
 def observed_range_inputs(program: Program, binding: Binding) -> dict[str, tuple[Any, ...]]:
     """Each piece's input layouts, as (strides, offset) over the trace's symbols, as the split
     program makes them on fake tensors bounded by the ``binding``'s ranges.
@@ -551,42 +542,45 @@ def observed_range_inputs(program: Program, binding: Binding) -> dict[str, tuple
     holds), where the trace (n >= 2) kept row-major; the next piece must be compiled for the
     layout the range variant before it makes. Failures keep the traced layouts."""
     shapes = program.shapes
-    if shapes is None or program.graph is None:
+    if shapes is None or program.graph is None or any(s not in dict(binding.items) for s in shapes.symbols):
         return {}
-    hints = shapes.hints
-    ranged = {s: (v[0], v[1], _range_hint(v[0], v[1], hints.get(s)))
-              for s, v in binding.items if not isinstance(v, int)}
-    if any(s not in dict(binding.items) for s in shapes.symbols):
-        return {}
-    seen: dict[str, tuple[Any, ...]] = {}
     try:
-        mode, new = _compat.symbolic_env(ranged)
-        static = binding.static_values()
-        exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}
-        values = {**static, **{s: h for s, (_, _, h) in ranged.items()}}
+        mode, new, exprs, values = _range_env(binding, shapes.hints)
         args = _materialise(Piece("program", program.graph, shapes=shapes), mode, exprs, values, symbolic=True)
-        back = {v: k for k, v in new.items()}
-        recorded: dict[str, tuple[Any, ...]] = {}
-
-        def recorder(piece: Piece):
-            def call(*a):
-                recorded[piece.name] = a
-                return piece.gm.forward(*a)
-            return call
-
-        from shapewise.dispatch.runnable import make_runner
-
-        run = make_runner(program.graph, {p.name: recorder(p) for p in program.pieces})
-        with mode, torch.no_grad(), _compat.no_zero_one_specialisation():
-            run(*args)
+        with _compat.no_zero_one_specialisation():
+            recorded = _run_split(program, args, mode)
     except Exception as e:  # noqa: BLE001 - the traced layouts are the fallback
         log.debug("shapewise: layouts over %s not observed (%s: %s)", binding, type(e).__name__, e)
         return {}
-    for name, a in recorded.items():
-        seen[name] = tuple(
-            (tuple(sympy.sympify(_compat.sym_expr(d)).xreplace(back) for d in t.stride()),
-             sympy.sympify(_compat.sym_expr(t.storage_offset())).xreplace(back))
-            if isinstance(t, torch.Tensor) else None for t in a)
+    back = {v: k for k, v in new.items()}
+
+    def over_trace(e: Any) -> sympy.Expr:
+        return sympy.sympify(_compat.sym_expr(e)).xreplace(back)
+
+    return {name: tuple((tuple(over_trace(d) for d in t.stride()), over_trace(t.storage_offset()))
+                        if isinstance(t, torch.Tensor) else None for t in a)
+            for name, a in recorded.items()}
+
+
+def _run_split(program: Program, args: Sequence[Any], mode: FakeTensorMode,
+               run_piece: Callable[[Piece, tuple[Any, ...]], Any] | None = None,
+               seen: dict[str, tuple[Any, ...]] | None = None) -> dict[str, tuple[Any, ...]]:
+    """Run the split program on fake ``args`` under ``mode`` (no grad), each piece as its own
+    graph (or through ``run_piece(piece, args)``); returns each piece's inputs, in ``seen`` if
+    given (so a caller keeps what was recorded before a failure)."""
+    from shapewise.dispatch.runnable import make_runner
+
+    seen = {} if seen is None else seen
+
+    def recorder(piece: Piece) -> Callable[..., Any]:
+        def call(*a: Any) -> Any:
+            seen[piece.name] = a
+            return run_piece(piece, a) if run_piece is not None else piece.gm.forward(*a)
+        return call
+
+    run = make_runner(program.graph, {p.name: recorder(p) for p in program.pieces})
+    with mode, torch.no_grad():
+        run(*args)
     return seen
 
 
@@ -636,27 +630,23 @@ def observed_inputs(program: Program, binding: Binding, memo: dict[Any, Any] | N
     mode, made = shared if shared is not None else (FakeTensorMode(allow_non_fake_inputs=True), {})
     seen: dict[str, tuple[Any, ...]] = {}
 
-    def recorder(piece: Piece):
+    def run_piece(piece: Piece, args: tuple[Any, ...]) -> Any:
         digest = (digests or {}).get(piece.name)
-
-        def call(*args):
-            seen[piece.name] = args
-            if memo is None or digest is None:
-                return piece.gm.forward(*args)
-            try:
-                key = (digest, tuple(_layout_of(a) for a in args))
-            except TypeError:
-                return piece.gm.forward(*args)
-            if key in memo:
-                outs = memo[key]
-                return tuple(_from_layout(d) for d in outs) if isinstance(outs, tuple) else _from_layout(outs)
-            out = piece.gm.forward(*args)
-            try:
-                memo[key] = tuple(_layout_of(o) for o in out) if isinstance(out, (tuple, list)) else _layout_of(out)
-            except TypeError:
-                pass
-            return out
-        return call
+        if memo is None or digest is None:
+            return piece.gm.forward(*args)
+        try:
+            key = (digest, tuple(_layout_of(a) for a in args))
+        except TypeError:
+            return piece.gm.forward(*args)
+        if key in memo:
+            outs = memo[key]
+            return tuple(_from_layout(d) for d in outs) if isinstance(outs, tuple) else _from_layout(outs)
+        out = piece.gm.forward(*args)
+        try:
+            memo[key] = tuple(_layout_of(o) for o in out) if isinstance(out, (tuple, list)) else _layout_of(out)
+        except TypeError:
+            pass
+        return out
 
     try:
         args = []
@@ -671,11 +661,7 @@ def observed_inputs(program: Program, binding: Binding, memo: dict[Any, Any] | N
                     args.append(made[desc])
                 else:
                     args.append(evaluate(meta, values) if isinstance(meta, sympy.Basic) else meta)
-        from shapewise.dispatch.runnable import make_runner
-
-        run = make_runner(program.graph, {p.name: recorder(p) for p in program.pieces})
-        with mode, torch.no_grad():
-            run(*args)
+        _run_split(program, args, mode, run_piece, seen)
     except Exception as e:  # noqa: BLE001 - the traced layouts are the fallback
         log.debug("shapewise: eager layouts at %s not observed (%s: %s); pieces after %s keep the traced ones",
                   binding, type(e).__name__, e, list(seen)[-1:] or "the start")

@@ -165,9 +165,13 @@ Layout = tuple[list[int], list[int], int]
 def buffer_layouts(metas: Sequence[Any], symbols: Sequence[sympy.Symbol], keys: Sequence[tuple[tuple, Binding]],
                    piece: Piece | None = None) -> list[dict[tuple, Layout] | None]:
     """Per input (None for what is not a CUDA tensor): its layout at each captured key. A
-    static variant of ``piece`` was compiled for the layout eager makes at its size (see
-    ``concretize.observed_inputs``), which may differ from the trace's: its static buffer takes
-    that layout, so the graph replays what the variant was compiled for."""
+    variant of ``piece`` was compiled for the layout eager makes at its size, or a range
+    compile makes over its range (see ``concretize.observed_inputs``), which may differ from
+    the trace's: the static buffer takes the layout of the variant's example input at the key,
+    so the graph replays what the variant was compiled for. Graph inputs (no ``piece``) keep
+    the traced layout (the input guards hold them to it)."""
+    from shapewise._compat import evaluate_at
+
     out: list[dict[tuple, Layout] | None] = []
     for i, meta in enumerate(metas):
         if not (isinstance(meta, TensorMeta) and meta.device.type == "cuda"):
@@ -175,12 +179,15 @@ def buffer_layouts(metas: Sequence[Any], symbols: Sequence[sympy.Symbol], keys: 
             continue
         layouts = {}
         for key, binding in keys:
-            variant = piece.variant_for(binding) if piece is not None and binding.is_static else None
+            values = dict(zip(symbols, key))
+            variant = piece.variant_for(binding) if piece is not None else None
             arg = variant.example_args[i] if variant is not None and i < len(variant.example_args) else None
             if isinstance(arg, torch.Tensor):
-                layouts[key] = (list(arg.shape), list(arg.stride()), arg.storage_offset())
+                layouts[key] = ([evaluate_at(d, values) for d in arg.shape],
+                                [evaluate_at(d, values) for d in arg.stride()],
+                                evaluate_at(arg.storage_offset(), values))
             else:
-                layouts[key] = _layout(meta, dict(zip(symbols, key)))
+                layouts[key] = _layout(meta, values)
         out.append(layouts)
     return out
 

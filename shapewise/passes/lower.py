@@ -63,7 +63,7 @@ def _is_symbolic(args: list[Any]) -> bool:
     return False
 
 
-def _static_layouts(variant: Variant) -> str:
+def _input_layouts(variant: Variant) -> str:
     """The strides and offsets of a variant's tensor inputs (ints, or expressions over its own
     fresh symbols s0, s1, ... for a range): eager, or a range compile, may lay an input out
     otherwise than the trace says (see ``concretize.observed_inputs``), so two equal pieces
@@ -111,13 +111,27 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     return fn
 
 
+def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:
+    """Every symbolic size of every value in ``gm`` (each expression once)."""
+    exprs: set[sympy.Expr] = set()
+
+    def visit(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            exprs.update(d.node.expr for d in v.shape if isinstance(d, torch.SymInt))
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+
+    for node in gm.graph.nodes:
+        visit(_compat.node_value(node))
+    return exprs
+
+
 def _some_size_reaches_one(piece: Piece, variant: Variant) -> bool:
     """Whether some size in the piece (an input's or an intermediate's: ``n - 1``, ``(n + 1) // 2``)
     is 0 or 1 at a corner of the variant's ranges, or the piece has symbols no binding fixes
     (data-dependent sizes, from 0)."""
     import itertools
-
-    from shapewise.concretize.concretize import _size_exprs
 
     bound = dict(variant.binding.items)
     if piece.shapes is not None and any(s not in bound for s in piece.shapes.symbols):
@@ -212,7 +226,7 @@ class CompileSession:
             f"graph={gk.digest}",
             f"binding={binding_key(gk, piece.shapes, variant.binding)}",
             f"static={variant.binding.is_static}",
-            f"layouts={_static_layouts(variant)}",
+            f"layouts={_input_layouts(variant)}",
             f"grad={torch.is_grad_enabled()}",
             f"backend={self.backend_id}",
             f"options={options}",

@@ -67,6 +67,25 @@ def test_static_buffers_take_the_layout_each_variant_was_compiled_for():
     assert [0, 1] not in strides[(2,)] and [0, 1] not in strides[(4,)]
 
 
+def test_static_buffer_inside_a_range_takes_the_range_variants_layout():
+    import dataclasses
+
+    from shapewise.dispatch.cudagraphs import buffer_layouts
+    from tests.concretize.test_concretize import _column_major_after
+
+    gm = dynamo_graph(_column_major_after, torch.randn(7, 5))
+    program = sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(ranges=[(3, 7)]),
+                           sw.Lower(backend="eager"), sw.BuildDispatch()]).run(gm).program
+    keys = CudaGraphs(capture_sizes=[5]).capture_keys(program)
+    last = program.pieces[-1]
+    cuda_metas = [dataclasses.replace(m, device=torch.device("cuda")) if hasattr(m, "device") else m
+                  for m in last.shapes.inputs]
+    layouts = [per_key[(5,)] for per_key in buffer_layouts(cuda_metas, program.shapes.symbols, keys, last) if per_key]
+    x = torch.randn(5, 5)
+    z = x.t().contiguous().t()[::3] * 2  # column-major at 5, as the range variant before it makes it
+    assert (list(z.shape), list(z.stride()), 0) in layouts
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["inductor", "eager"])
 def test_replay_at_a_size_where_eager_lays_out_otherwise(backend):
