@@ -40,8 +40,8 @@ __all__ = [
     "AnalyzeShapes", "Binding", "BindingError", "BuildDispatch", "CompileError", "Concretize", "ConfigError",
     "DispatchMiss", "DispatchTable", "Dump", "GuardViolation", "InputMismatch", "Instrument", "Lower", "Pass",
     "Pipeline", "PrintAfter", "Program", "Report", "Runnable", "ShapewiseError", "Split", "Timing", "Verify",
-    "compile", "draw_split", "format_graph", "format_program", "parse_spec", "plan_sizes", "register_alias",
-    "split_graph",
+    "compile", "compile_generate", "draw_split", "format_graph", "format_program", "parse_spec", "plan_sizes",
+    "register_alias", "split_graph",
 ]
 
 
@@ -51,6 +51,10 @@ def __getattr__(name: str):
         from shapewise.backend import compile
 
         return compile
+    if name == "compile_generate":
+        from shapewise.generate import compile_generate
+
+        return compile_generate
     if name == "plan_sizes":
         from shapewise.planner import plan_sizes
 

@@ -6,7 +6,8 @@ Supported: torch >= 2.11 (GPU machine: 2.11.0; CPU machines: 2.13.0).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -187,7 +188,13 @@ def symbolic_env(symbols: dict[sympy.Symbol, tuple[int, int, int]]):
                               do_not_specialize_zero_one=True)
         env.constrain_symbol_range(e, compiler_min=lo, compiler_max=hi)
         new[old] = e
+    # The ranges as made: a guard that specialises a symbol narrows var_to_range to the
+    # hint, so a later check must compare against these, not the env's current ranges.
+    _MADE_RANGES[env] = {e: (lo, hi) for (lo, hi, _), e in zip(symbols.values(), new.values())}
     return mode, new
+
+
+_MADE_RANGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def evaluate_at(value: Any, values: Mapping[sympy.Symbol, int]) -> int:
@@ -218,11 +225,14 @@ def range_guard_violations(mode: FakeTensorMode) -> list[str]:
     env = mode.shape_env
     if env is None:
         return []
+    made = _MADE_RANGES.get(env, {})
     corners: list[dict[sympy.Symbol, int]] = [{}]
     for sym, vr in env.var_to_range.items():
-        vals = {int(b) for b in (vr.lower, vr.upper) if sympy.sympify(b).is_Integer}
+        lo, hi = made.get(sym, (vr.lower, vr.upper))
+        vals = {int(b) for b in (lo, hi) if sympy.sympify(b).is_Integer}
         corners = [{**c, sym: v} for c in corners for v in vals] or corners
-    bad = []
+    bad = [f"{sym} was fixed to {value}" for sym, value in env.replacements.items()
+           if sym in made and sympy.sympify(value).is_number]
     for g in env.guards:
         for c in corners:
             try:
@@ -333,13 +343,15 @@ def placeholder_source(node: torch.fx.Node):
 
 
 def local_name_of(source, positional: Sequence[str] = (), var_positional: str | None = None,
-                  var_keyword: str | None = None) -> str | None:
+                  var_keyword: str | None = None, keywords: Collection[str] = ()) -> str | None:
     """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None. When Dynamo
     traced a ``*args, **kwargs`` wrapper (as for torch's own modules, e.g. ``nn.Sequential``),
     ``L['args'][i]`` is the ``positional[i]`` argument (past them: the model's ``*args``, named
     ``var_positional``) and ``L['kwargs']['k']`` is ``k``; an element of a tuple/list argument
     (``L['xs'][0]``) reads that argument. A model whose own ``*args`` / ``**kwargs`` are called
-    so is read as itself."""
+    so is read as itself, except for ``L['kwargs']['k']`` with ``k`` one of its ``keywords``
+    (its named parameters: transformers wraps ``forward(self, input_ids, ..., **kwargs)`` in
+    decorators that take ``*args, **kwargs``, and Dynamo traces the wrapper)."""
     from torch._dynamo.source import DictGetItemSource, GetItemSource, LocalSource
 
     if isinstance(source, LocalSource):
@@ -348,10 +360,13 @@ def local_name_of(source, positional: Sequence[str] = (), var_positional: str | 
         base, index = source.base, source.index
         if isinstance(base, LocalSource) and base.local_name == "args" and var_positional != "args":
             return positional[index] if isinstance(index, int) and 0 <= index < len(positional) else var_positional
-        if isinstance(base, LocalSource) and base.local_name == "kwargs" and var_keyword != "kwargs":
+        if isinstance(base, LocalSource) and base.local_name == "kwargs" and (
+                var_keyword != "kwargs" or index in keywords):
             return index if isinstance(index, str) else None
         # An element of a tuple/list argument (or of the model's own *args): that argument.
-        return local_name_of(base, positional, var_positional, var_keyword)
+        return local_name_of(base, positional, var_positional, var_keyword, keywords)
+    if getattr(source, "base", None) is not None:  # an attribute of an object argument (cache.layers[0].keys)
+        return local_name_of(source.base, positional, var_positional, var_keyword, keywords)
     return None
 
 
@@ -367,6 +382,14 @@ def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
         torch._dynamo.mark_dynamic(t, dim)
     else:
         torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def unmark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Undo ``mark_dynamic`` for one dim (Dynamo keeps the marks as sets on the tensor)."""
+    for attr in ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices"):
+        marks = getattr(t, attr, None)
+        if isinstance(marks, set):
+            marks.discard(dim)
 
 
 def aot_eager(gm: torch.fx.GraphModule, args: list[Any]):

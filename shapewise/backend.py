@@ -7,6 +7,7 @@ One Dynamo trace (sizes 0/1 not specialised, only the named dims dynamic) is han
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 
 from shapewise import _compat
 from shapewise.concretize import Concretize
-from shapewise.concretize.concretize import check_sizes
+from shapewise.concretize.concretize import check_sizes, refusal
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.graph_split import Split
@@ -25,6 +26,8 @@ from shapewise.passes import Instrument, Lower, Pipeline, Program
 __all__ = ["ShapewiseModule", "compile", "shapewise_backend"]
 
 DEFAULT_DIM_NAME = "n"
+
+log = logging.getLogger("shapewise")
 
 
 def build_pipeline(
@@ -41,6 +44,7 @@ def build_pipeline(
     cudagraphs: bool = False,
     capture_sizes: Any = None,
     refused: str = "error",
+    fixed: Mapping[str, int] | None = None,
     compile: str = "eager_all",
     cache: Any = None,
     dedupe: bool = True,
@@ -49,7 +53,7 @@ def build_pipeline(
     """The standard pipeline for the given options."""
     passes: list[Any] = [
         Split(ops=_op_list(splitting_ops)),
-        Concretize(sizes=sizes, ranges=ranges, refused=refused),
+        Concretize(sizes=sizes, ranges=ranges, refused=refused, fixed=dict(fixed or {})),
         Lower(backend=backend, options=options or (), static_options=static_options or (),
               range_options=range_options or (), on_compile_error=on_compile_error,
               compile=compile, cache=cache, dedupe=dedupe, progress=progress),
@@ -81,12 +85,14 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
     on_compile_error, on_miss, symbol_names ({symbol name or Symbol: dim name}), refused
     ("skip", the default here: leave out the sizes this trace's guards refuse, with a warning;
     Dynamo traces again when one is called, and a trace with every size fixed, e.g. its first
-    one without dynamic=True, compiles as it is; or "error").
+    one without dynamic=True, compiles as it is; or "error"), fixed ({dim name: size}: dims this
+    trace fixed, e.g. seq=1 for decode; it serves the sizes that agree with them).
     """
     opts = {"refused": "skip", **dict(options or {}), **kwargs}
-    unknown = set(opts) - _PIPELINE_KEYS - {"on_miss", "symbol_names", "refused"}
+    extra = {"on_miss", "symbol_names", "refused", "fixed"}
+    unknown = set(opts) - _PIPELINE_KEYS - extra
     if unknown:
-        known = sorted(_PIPELINE_KEYS | {"on_miss", "symbol_names", "refused"})
+        known = sorted(_PIPELINE_KEYS | extra)
         raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {known}")
     names = dict(opts.pop("symbol_names", {}) or {})
     on_miss = opts.pop("on_miss", "error")
@@ -115,13 +121,38 @@ def _specialise_layout_symbols(gm: torch.fx.GraphModule) -> list[str]:
     return fixed
 
 
-def _tensors_of(value: Any) -> list[torch.Tensor]:
-    """A tensor argument, or the tensors of a tuple/list argument (one level)."""
+def _tensors_of(value: Any, deep: bool = False) -> list[torch.Tensor]:
+    """A tensor argument, or the tensors of a tuple/list argument (one level). ``deep``: also
+    the tensors held by an object argument, through its attributes, lists and dicts (a
+    transformers ``DynamicCache``: ``cache.layers[i].keys`` / ``.values``), in attribute order."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list)) and not deep:
         return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
+    if not deep:
+        return []
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(v: Any, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+            return
+        if depth > 4 or id(v) in seen or v is None or isinstance(v, (bool, int, float, str, torch.device,
+                                                                      torch.dtype, torch.nn.Module)):
+            return
+        seen.add(id(v))
+        if isinstance(v, (tuple, list)):
+            items = list(v)
+        elif isinstance(v, Mapping):
+            items = list(v.values())
+        else:
+            items = list(getattr(v, "__dict__", {}).values())
+        for item in items:
+            walk(item, depth + 1)
+
+    walk(value, 0)
+    return out
 
 
 def _op_list(ops: Any) -> tuple[Any, ...]:
@@ -194,13 +225,17 @@ class ShapewiseModule:
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}
         self.runnables: list[Runnable] = []
+        # Per trace: the dims it fixed ({"seq": 1}), None for a dim it does not have ({"kv": None}).
+        self.trace_fixed: list[dict[str, int | None]] = []
         self._watch: Any = None  # compile="lazy" / "background": whether compiles may still run
         self._lock = threading.Lock()
         self._local = threading.local()
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
 
     # -- tracing -------------------------------------------------------------------------
-    def _mark(self, args: tuple, kwargs: dict) -> None:
+    def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
+        """Mark this call's dynamic dims dynamic, but the ``fixed`` names (Dynamo specialises
+        those; a mark from an earlier attempt is taken off); returns each dim name's sizes."""
         bound = self._signature.bind(*args, **kwargs)
         dims = self._dims
         if dims is None:
@@ -208,23 +243,49 @@ class ShapewiseModule:
                     if any(t.dim() > 0 for t in _tensors_of(v))}
         dims = {a: spec for a, spec in dims.items() if bound.arguments.get(a) is not None}  # optional, left out
         arg_dims: dict[str, dict[int, str]] = {}
+        seen: dict[str, set[int]] = {}
         for arg, spec in dims.items():
-            tensors = _tensors_of(bound.arguments[arg])
-            if not tensors:
-                raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(bound.arguments[arg]).__name__} "
-                                  "with no tensor in it (a tensor, or a tuple/list of tensors, can vary)")
-            for value in tensors:  # a tuple/list argument: the dim of each of its tensors
-                for d in spec:
-                    if not -value.dim() <= d < value.dim():
-                        if self._dims is None:
+            value = bound.arguments[arg]
+            deep = not isinstance(value, (torch.Tensor, tuple, list, int, float, complex, str))  # a KV cache
+            tensors = _tensors_of(value, deep)
+            if not tensors and not deep:
+                raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(value).__name__} "
+                                  "with no tensor in it (a tensor, a tuple/list of tensors or an object holding "
+                                  "tensors, such as a KV cache, can vary)")
+            for t in tensors:  # a tuple/list/object argument: the dim of each of its tensors
+                for d, name in spec.items():
+                    if not -t.dim() <= d < t.dim():
+                        if self._dims is None or deep:  # an object's other tensors (an empty cache's)
                             continue
-                        raise ConfigError(f"dynamic_dims names dim {d} of {arg!r}, which has {value.dim()} dims")
+                        raise ConfigError(f"dynamic_dims names dim {d} of {arg!r}, which has {t.dim()} dims")
+                    seen.setdefault(name, set()).add(int(t.shape[d]))
+                    if fixed and name in fixed:
+                        _compat.unmark_dynamic(t, d % t.dim())
+                        continue
                     # Dims the user named must stay dynamic (Dynamo errors if the model fixes
                     # them); the default (dim 0 of every tensor) only where the model lets it vary.
-                    _compat.mark_dynamic(value, d % value.dim(), strict=self._dims is not None)
-            ndim = tensors[0].dim()
-            arg_dims[arg] = {d % ndim if ndim else d: n for d, n in spec.items()}
+                    _compat.mark_dynamic(t, d % t.dim(), strict=self._dims is not None and not deep)
+            if deep:
+                arg_dims[arg] = dict(spec)  # read per tensor (an object's tensors differ in rank)
+            elif tensors:
+                ndim = tensors[0].dim()
+                arg_dims[arg] = {d % ndim if ndim else d: n for d, n in spec.items()}
         self._arg_dims = arg_dims
+        return seen
+
+    def _to_fix(self, seen: Mapping[str, set[int]]) -> dict[str, int]:
+        """The dims of a re-trace to specialise, as Dynamo alone would: a size 0 or 1 that every
+        earlier trace refuses (e.g. seq=1 where the model's Python branches on ``seq > 1``: a
+        trace symbolic in it would carry that branch as a SymBool)."""
+        fix = {}
+        for name, values in seen.items():
+            if len(values) != 1 or next(iter(values)) not in (0, 1):
+                continue
+            v = next(iter(values))
+            if all(fixed.get(name, v) != v if name in fixed else refusal(r.program.shapes, name, v) is not None
+                   for r, fixed in zip(self.runnables, self.trace_fixed)):
+                fix[name] = v
+        return fix
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Runnable:
         if not getattr(self._local, "tracing", False):
@@ -236,7 +297,8 @@ class ShapewiseModule:
         for node in gm.graph.nodes:
             if node.op != "placeholder":
                 continue
-            arg = _compat.local_name_of(_compat.placeholder_source(node), self._positional, *self._var_names)
+            arg = _compat.local_name_of(_compat.placeholder_source(node), self._positional, *self._var_names,
+                                        keywords=self._signature.parameters)
             value = _compat.node_value(node)
             if arg in self._arg_dims and isinstance(value, torch.Tensor):
                 for d, name in self._arg_dims[arg].items():
@@ -246,7 +308,9 @@ class ShapewiseModule:
                     if isinstance(e, sympy.Symbol):
                         names.setdefault(e, name)
         self._symbol_names = names
-        if not self.runnables and (self._options.get("sizes") or self._options.get("ranges")) and not any(
+        fixed = dict(getattr(self._local, "fixed", None) or {})
+        asked = self._options.get("sizes") or self._options.get("ranges")
+        if not self.runnables and all(v is None for v in fixed.values()) and asked and not any(
                 _compat.sym_expr(e).free_symbols for n in gm.graph.nodes if n.op == "placeholder"
                 for v in [_compat.node_value(n)] for e in (v.shape if isinstance(v, torch.Tensor) else
                                                            [v] if isinstance(v, torch.SymInt) else [])):
@@ -260,10 +324,16 @@ class ShapewiseModule:
         # front. A later trace exists because a call failed the first one's guards: it serves the
         # sizes its own guards allow (a size only the first trace can serve is skipped, not an
         # error for a call that did not ask for it).
+        # A named dim with no symbol of its own in this trace (absent from the call, or Dynamo
+        # proved it equal to another, as a mask's length to the tokens' at prefill) follows the
+        # others: every size of it agrees with this trace.
+        declared = {n for spec in (self._dims or {}).values() for n in spec.values()}
+        fixed.update({n: None for n in sorted(declared - set(names.values()) - set(fixed))})
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
-                                                          "on_miss": self._on_miss,
+                                                          "on_miss": self._on_miss, "fixed": fixed,
                                                           "refused": "skip" if self.runnables else "skip-sizes"})
         self.runnables.append(runnable)
+        self.trace_fixed.append(fixed)
         self._watch = runnable.program.attrs.get("compile_watch", self._watch)
         return runnable
 
@@ -292,31 +362,51 @@ class ShapewiseModule:
     def _traces_note(self) -> str:
         """Which sizes each trace serves (a call goes to the first trace whose guards it passes)."""
         parts = []
-        for i, r in enumerate(self.runnables, 1):
+        for i, r in enumerate(self.runnables):
             keys = ", ".join(row["key"] for row in r.table.rows()) or "none (its guards refuse every size asked for)"
-            parts.append(f"trace {i}: {keys}")
+            parts.append(f"trace {self._trace_label(i)}: {keys}")
         return ("shapewise: this model has several traces (a call that fails every trace's guards makes a new one, "
                 "for the sizes its own guards allow): " + "; ".join(parts))
 
     def _first_call(self, args: tuple, kwargs: dict, retrace: bool = False) -> Any:
         """Trace (the first call, or a re-trace after a guard failed) with the dynamic dims of
-        this call's tensors marked and sizes 0/1 not specialised."""
+        this call's tensors marked and sizes 0/1 not specialised, except where no trace symbolic
+        in them can serve this call: a size 0/1 every earlier trace refuses, or a first trace at
+        size 0/1 that Dynamo cannot make symbolic there (the model's Python branches on it).
+        Those dims are specialised, as Dynamo would alone; that trace serves the sizes that
+        agree with them."""
         with self._lock:
             if self.runnables and not retrace:
                 return self._compiled(*args, **kwargs)
-            self._mark(args, kwargs)
-            self._local.tracing = True
+            seen = self._mark(args, kwargs)
+            fixed = self._to_fix(seen) if self.runnables else {}
+            if fixed:
+                self._mark(args, kwargs, fixed)
             try:
-                with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget():
-                    out = self._compiled(*args, **kwargs)
-            finally:
-                self._local.tracing = False
-            if not self.runnables:
-                raise ShapewiseError(
-                    "Dynamo ran the model without handing a graph to shapewise (its recompile limit for "
-                    "this function may be reached: torch._dynamo.config.cache_size_limit); nothing was compiled"
-                )
-            return out
+                return self._trace(args, kwargs, fixed)
+            except Exception as e:
+                small = {name: next(iter(v)) for name, v in seen.items() if len(v) == 1 and next(iter(v)) in (0, 1)}
+                if fixed or not small or isinstance(_compat.backend_error_cause(e), ShapewiseError):
+                    raise
+                log.info("shapewise: the trace symbolic in %s failed (%s: %s); tracing again with them fixed",
+                         small, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self._mark(args, kwargs, small)
+                return self._trace(args, kwargs, small)
+
+    def _trace(self, args: tuple, kwargs: dict, fixed: Mapping[str, int]) -> Any:
+        count = len(self.runnables)
+        self._local.tracing, self._local.fixed = True, fixed
+        try:
+            with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget():
+                out = self._compiled(*args, **kwargs)
+        finally:
+            self._local.tracing, self._local.fixed = False, None
+        if len(self.runnables) == count:
+            raise ShapewiseError(
+                "Dynamo ran the model without handing a graph to shapewise (its recompile limit for "
+                "this function may be reached: torch._dynamo.config.cache_size_limit); nothing was compiled"
+            )
+        return out
 
     # -- inspection ----------------------------------------------------------------------
     @property
@@ -335,7 +425,23 @@ class ShapewiseModule:
         return len(self.runnables)
 
     def report(self) -> CompileReport:
-        return CompileReport(row for r in self.runnables for row in r.report())
+        """One row per (piece, variant) of every trace; with several traces, a ``trace`` column
+        says which one serves the row's sizes (``2 (seq=1)``: the second, which fixed seq to 1)."""
+        if len(self.runnables) <= 1:
+            return CompileReport(row for r in self.runnables for row in r.report())
+        rows = []
+        for i, r in enumerate(self.runnables):
+            fixed = ", ".join(f"{k}={v}" for k, v in self.trace_fixed[i].items() if v is not None)
+            for row in r.report():
+                key = row.get("key", "")  # the fixed dims belong to the sizes this row serves
+                if fixed and isinstance(key, str) and key.startswith("{"):
+                    key = "{" + ", ".join(x for x in (key[1:-1], fixed) if x) + "}"
+                rows.append({"trace": self._trace_label(i), **row, "key": key})
+        return CompileReport(rows, columns=("trace", *CompileReport().columns))
+
+    def _trace_label(self, i: int) -> str:
+        fixed = ", ".join(f"{k}={v}" for k, v in self.trace_fixed[i].items() if v is not None)
+        return f"{i + 1}" + (f" ({fixed})" if fixed else "")
 
 
 def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), splitting_ops: Sequence[Any] = (),

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shapewise as sw
@@ -317,5 +318,83 @@ def test_two_sizes_under_one_name_are_told_apart_in_messages():
 
     fast = sw.compile(two, sizes=[4], backend="eager")  # both dim 0s are named "n" by default
     fast(torch.randn(4, 3), torch.randn(4, 3))
-    with pytest.raises(sw.DispatchMiss, match=r"size \{n\[s\d+\]=4, n\[s\d+\]=6\}: compiled sizes: \{n\[s\d+\]=4, "):
+    # dims that share a name and a size print once; told apart where they differ
+    with pytest.raises(sw.DispatchMiss, match=r"size \{n\[s\d+\]=4, n\[s\d+\]=6\}: compiled sizes: \{n=4\};"):
         fast(torch.randn(4, 3), torch.randn(6, 3))
+
+
+class _Decoder(nn.Module):
+    """Attention as transformers' SDPA path writes it: ``is_causal = q_len > 1 and mask is None``.
+    A trace symbolic in q_len at q_len=1 would carry that as a SymBool (SDPA refuses it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x, mask=None):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        is_causal = q.shape[2] > 1 and mask is None and True
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal).transpose(1, 2)
+
+
+@pytest.mark.parametrize("first", [4, 1])
+def test_a_size_the_first_trace_cannot_serve_gets_a_trace_specialised_to_it(first):
+    model = _Decoder()
+    fast = sw.compile(model, dynamic_dims={"x": 1}, sizes=[1, 4, 16], ranges=[(17, 40)], backend="aot_eager")
+    for t in (first, 1, 4, 16, 30, 1):
+        x = torch.randn(2, t, 16)
+        assert_same(fast(x), model(x), f"T={t}")
+    assert fast.traces == 2  # one per branch of `q_len > 1`
+    rows = fast.report()
+    by_trace = {}
+    for r in rows:
+        by_trace.setdefault(r["trace"], set()).add(r["key"])
+    general = "2" if first == 1 else "1"
+    special = "1 (n=1)" if first == 1 else "2 (n=1)"
+    assert by_trace == {general: {"{n=4}", "{n=16}", "{n=17..40}"}, special: {"{n=1}"}}
+    assert "trace" in str(rows).splitlines()[0]
+    # A size 1 nobody asked for is a miss in the trace made for it, with the traces listed.
+    fast2 = sw.compile(model, dynamic_dims={"x": 1}, sizes=[4], backend="aot_eager")
+    fast2(torch.randn(2, 4, 16))
+    with pytest.raises(sw.DispatchMiss, match=r"trace 1: \{n=4\}; trace 2 \(n=1\): none"):
+        fast2(torch.randn(2, 1, 16))
+
+
+def _wrapped(fn):
+    # As transformers 5 wraps forward: a decorator taking *args, **kwargs around a forward that
+    # has **kwargs of its own; Dynamo's sources are then L['kwargs']['input_ids'].
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+
+    @_wrapped
+    def forward(self, input_ids, attention_mask=None, **kwargs):
+        h = self.emb(input_ids)
+        return h * attention_mask[..., None] if attention_mask is not None else h
+
+
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_named_dims_bind_through_a_wrapped_forward_and_several_arguments(by_keyword):
+    model = _Encoder()
+    spec = {0: "batch", 1: "seq"}
+    fast = sw.compile(model, dynamic_dims={"input_ids": spec, "attention_mask": spec},
+                      sizes={"batch": [1, 2], "seq": [8, 16]}, ranges={"seq": [(17, 32)]}, backend="aot_eager")
+    for b, t in ((2, 8), (1, 16), (2, 20), (1, 8)):
+        ids, mask = torch.randint(0, 32, (b, t)), torch.ones(b, t)
+        mask[0, t // 2:] = 0
+        out = fast(input_ids=ids, attention_mask=mask) if by_keyword else fast(ids, mask)
+        assert_same(out, model(ids, mask), f"{b}x{t}")
+    assert fast.traces == 1
+    keys = [r["key"] for r in fast.report()]
+    # the two arguments' batch dims take one size per binding (not a product of the two)
+    assert keys == ["{batch=1, seq=8}", "{batch=1, seq=16}", "{batch=2, seq=8}", "{batch=2, seq=16}",
+                    "{batch=1..inf, seq=17..32}"]

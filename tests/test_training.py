@@ -233,3 +233,53 @@ def test_inductor_range_backward_where_a_saved_stride_varies_with_the_size():
         assert_grads_match(model, fast, (torch.randn(2, t, 32, requires_grad=True),), lambda y: y.square().mean(),
                            f"T={t}")
     assert_backward_compiled_per_variant(fast.runnable)
+
+
+class _ShiftedLoss(nn.Module):
+    """A causal-LM loss as transformers writes it: labels padded with -100 and shifted by one.
+    Under fake tensors the pad of an int64 [2, T] tensor read T as an int: the range
+    observation specialised T to its hint, and the range variant was compiled static at it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.lin = nn.Linear(32, 64)
+
+    def forward(self, ids, labels):
+        logits = self.lin(self.emb(ids))
+        shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, 64), shifted.reshape(-1), ignore_index=-100)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_range_training_with_a_fixed_batch_is_symbolic_in_forward_and_backward(backend):
+    model = _ShiftedLoss()
+    fast = sw.compile(model, dynamic_dims={"ids": 1, "labels": 1}, sizes=[8], ranges=[(17, 64)], backend=backend,
+                      cache=False)
+    for t in (8, 40, 17, 64):
+        ids = torch.randint(0, 64, (2, t))
+        assert_grads_match(model, fast, (ids, ids), lambda loss: loss, f"T={t}")
+    assert fast.traces == 1
+    assert_backward_compiled_per_variant(fast.runnable)
+    if backend == "inductor":
+        for piece in fast.program.compute_pieces:
+            for v in piece.variants:
+                fw, bw = compiled_source(v.compiled), backward_source(v.compiled)
+                assert bw and bw in fw
+                if v.binding.is_static:
+                    assert not SYMBOLIC.findall(fw), f"{piece.name} {v.binding}: symbolic sizes in static code"
+                else:
+                    assert SYMBOLIC.findall(fw.replace(bw, "")), f"{piece.name} {v.binding}: static range forward"
+                    assert SYMBOLIC.findall(bw), f"{piece.name} {v.binding}: static range backward"
+
+
+def test_a_compile_that_specialises_a_ranged_size_is_caught():
+    import sympy
+
+    from shapewise._compat import range_guard_violations, symbolic_env
+
+    mode, new = symbolic_env({"s": (17, 64, 32)})
+    (s,) = new.values()
+    assert range_guard_violations(mode) == []
+    mode.shape_env.evaluate_expr(sympy.Eq(s, 32))  # as a fake kernel does when it reads a size as an int
+    assert any("fixed to 32" in b for b in range_guard_violations(mode))

@@ -23,7 +23,8 @@ from shapewise.errors import BindingError, ConfigError, GuardViolation
 from shapewise.passes.base import Pass, register_pass
 from shapewise.passes.program import Binding, Piece, Program, ShapeInfo, TensorMeta, Variant
 
-__all__ = ["Concretize", "check_binding", "check_sizes", "example_args", "make_bindings", "primary_symbols"]
+__all__ = ["Concretize", "check_binding", "check_sizes", "example_args", "make_bindings", "primary_symbols",
+           "refusal"]
 
 INT_MAX = 2**63 - 1
 
@@ -91,6 +92,14 @@ def _resolve_names(shapes: ShapeInfo, mapping: Mapping[Any, Any], what: str) -> 
         for s in table[key]:
             out[s] = value
     return out
+
+
+def _by_name(shapes: ShapeInfo, resolved: Mapping[sympy.Symbol, Any]) -> dict[str, tuple[list[sympy.Symbol], Any]]:
+    """``{symbol: value}`` from ``_resolve_names`` grouped as ``{name: ([symbols], value)}``."""
+    groups: dict[str, tuple[list[sympy.Symbol], Any]] = {}
+    for s, v in resolved.items():
+        groups.setdefault(shapes.name_of(s), ([], v))[0].append(s)
+    return groups
 
 
 def _check_size(v: Any, what: str) -> int:
@@ -203,16 +212,24 @@ def check_sizes(sizes: Any = (), ranges: Any = (), names: Collection[str] | None
             _no_overlap([_check_range(r, "ranges") for r in items], "ranges")
 
 
-def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple[Binding, ...]:
+def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
+                  fixed: Mapping[str, int | None] | None = None,
+                  optional: Collection[sympy.Symbol] = ()) -> tuple[Binding, ...]:
     """Bindings over every free symbol, from user ``sizes`` and ``ranges``.
 
     - ints bind the primary symbol(s) (see ``primary_symbols``);
     - ``{name: [sizes]}`` is a product; ``[{name: size}, ...]`` lists bindings;
     - ranges likewise with inclusive ``(low, high)`` pairs.
-    Symbols nobody named stay at their traced value; named dims missing from a range span
-    their whole valid range. With neither sizes nor ranges: one general binding, every
-    symbol over its whole valid range.
+    Symbols nobody named stay at their traced value; named dims missing from a range (or
+    ``optional`` ones missing from a size) span their whole valid range. With neither sizes nor
+    ranges: one general binding, every symbol over its whole valid range.
+
+    ``fixed``: dims (by name) that this trace fixed to one value (Dynamo specialised them, e.g.
+    ``seq=1`` where the model's Python branches on ``seq > 1``): the bindings that agree with
+    it, without those dims (see ``_agreeing_bindings``).
     """
+    if fixed and (sizes or ranges):
+        return _agreeing_bindings(shapes, sizes, ranges, fixed)
     symbols = shapes.symbols
     named = {s for s in symbols if s in shapes.names}
 
@@ -225,7 +242,7 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple
         for s in symbols:
             if s in partial:
                 items.append((s, partial[s]))
-            elif s in named and not ranged:
+            elif s in named and not ranged and s not in optional:
                 raise BindingError(
                     f"{what} does not bind the dynamic dim {shapes.name_of(s)!r}; "
                     f"bind every named dim ({sorted(set(shapes.names.values()))})"
@@ -242,12 +259,13 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple
     if _is_int(sizes):
         sizes = (sizes,)
     if isinstance(sizes, Mapping):
-        resolved = _resolve_names(shapes, sizes, "sizes")
-        names = list(resolved)
-        lists = [[_check_size(v, f"sizes[{shapes.name_of(s)!r}]") for v in
-                  ((resolved[s],) if _is_int(resolved[s]) else resolved[s])] for s in names]
+        # A product over the names: the dims that share a name (input_ids' and attention_mask's
+        # batch) take the same size in every binding.
+        groups = _by_name(shapes, _resolve_names(shapes, sizes, "sizes"))
+        lists = [[_check_size(v, f"sizes[{name!r}]") for v in ((vals,) if _is_int(vals) else vals)]
+                 for name, (_, vals) in groups.items()]
         for combo in itertools.product(*lists):
-            out.append(complete(dict(zip(names, combo)), False, "sizes"))
+            out.append(complete({s: v for (syms, _), v in zip(groups.values(), combo) for s in syms}, False, "sizes"))
     else:
         sizes = list(sizes)
         if sizes and all(isinstance(b, Mapping) for b in sizes):
@@ -267,16 +285,15 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple
     if ranges is None:
         ranges = ()
     if isinstance(ranges, Mapping):
-        resolved = _resolve_names(shapes, ranges, "ranges")
-        names = list(resolved)
+        groups = _by_name(shapes, _resolve_names(shapes, ranges, "ranges"))
         lists = []
-        for s in names:
-            v = resolved[s]
+        for name, (_, v) in groups.items():
             if isinstance(v, tuple) and len(v) == 2 and all(_is_int(x) for x in v):
                 v = [v]
-            lists.append([_check_range(r, f"ranges[{shapes.name_of(s)!r}]") for r in v])
+            lists.append([_check_range(r, f"ranges[{name!r}]") for r in v])
         for combo in itertools.product(*lists):
-            range_out.append(complete(dict(zip(names, combo)), True, "ranges"))
+            range_out.append(complete({s: r for (syms, _), r in zip(groups.values(), combo) for s in syms}, True,
+                                      "ranges"))
     else:
         ranges = list(ranges)
         if ranges and all(isinstance(b, Mapping) for b in ranges):
@@ -295,6 +312,51 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = ()) -> tuple
     if not out:  # the general binding: every symbol over its whole valid range, named or not
         out.append(Binding(tuple((s, full_range(s)) for s in symbols)))
     return tuple(out)
+
+
+def _agreeing_bindings(shapes: ShapeInfo, sizes: Any, ranges: Any, fixed: Mapping[str, int]) -> tuple[Binding, ...]:
+    """The user's bindings that a trace with ``fixed`` dims serves. Each fixed name stands in as
+    a symbol of its own (bounded to its value), the sizes and ranges are read as for any trace,
+    a binding is kept where the stand-in's size is (or its range holds) the fixed value, and the
+    stand-ins are dropped: ``{batch: [1, 2], seq: [1, 8]}`` with ``seq=1`` fixed gives ``{batch=1}``
+    and ``{batch=2}``; a range over seq that holds 1 gives that trace's (static) binding. A name
+    fixed to None is a dim the trace does not have (an empty KV cache): every size agrees."""
+    stand = {sympy.Dummy(f"fixed_{name}", integer=True, positive=True): (name, v) for name, v in fixed.items()}
+    augmented = dataclasses.replace(
+        shapes, symbols=(*shapes.symbols, *stand),
+        names={**shapes.names, **{s: name for s, (name, _) in stand.items()}},
+        ranges={**shapes.ranges, **{s: (v, v) if v is not None else (1, None) for s, (_, v) in stand.items()}},
+        hints={**shapes.hints, **{s: v for s, (_, v) in stand.items() if v is not None}})
+    known = {name: v for name, v in fixed.items() if v is not None}
+    sizes, ranges = _agreeing_spec(sizes, known), _agreeing_spec(ranges, known)
+    out: list[Binding] = []
+    for b in make_bindings(augmented, sizes, ranges, optional={s for s, (_, v) in stand.items() if v is None}):
+        values = b.mapping
+        if all(v is None or (values[s] == v if isinstance(values[s], int) else values[s][0] <= v <= values[s][1])
+               for s, (_, v) in stand.items()):
+            kept = Binding(tuple((s, x) for s, x in b.items if s not in stand))
+            if kept not in out:
+                out.append(kept)
+    return tuple(out)
+
+
+def _agreeing_spec(spec: Any, fixed: Mapping[str, int]) -> Any:
+    """``sizes`` or ``ranges`` without the entries that name a fixed dim at another size (so a
+    ``{seq: 12}`` need not bind the kv dim of a trace that fixed seq=1): a list of dicts loses
+    those dicts, a ``{name: [...]}`` dict those values."""
+    def agrees(name: Any, v: Any) -> bool:
+        f = fixed.get(str(name))
+        return f is None or (v == f if _is_int(v) else _is_pair(v) and v[0] <= f <= v[1])
+
+    if isinstance(spec, Mapping):
+        out = {}
+        for name, v in spec.items():
+            vals = [v] if _is_int(v) or _is_pair(v) else list(v)
+            out[name] = [x for x in vals if agrees(name, x)]
+        return out if all(out.values()) else []
+    if isinstance(spec, (list, tuple)) and spec and all(isinstance(b, Mapping) for b in spec):
+        return [b for b in spec if all(agrees(k, v) for k, v in b.items())]
+    return spec
 
 
 def _check_overlap(bindings: Sequence[Binding], shapes: ShapeInfo) -> None:
@@ -357,6 +419,26 @@ def check_binding(shapes: ShapeInfo, binding: Binding) -> None:
                 f"range {binding.describe(shapes.names)} ends at the size {at}, which contradicts the trace's guard "
                 f"`{_guard_text(shapes, guard)}`{where_text}; give a range whose ends satisfy it"
             )
+
+
+def refusal(shapes: ShapeInfo, name: str, value: int) -> str | None:
+    """Why a trace cannot serve the dim ``name`` at ``value`` (its proven range, or a guard over
+    that dim alone, excludes it), or None when it can as far as that dim goes. A dim the trace
+    has no symbol for (it fixed it) is refused too: its value is not known here."""
+    syms = [s for s in shapes.symbols if shapes.names.get(s) == name]
+    if not syms:
+        return f"the trace fixed {name}"
+    for s in syms:
+        lo, hi = shapes.ranges.get(s, (None, None))
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            top = hi if hi is not None else "inf"
+            return f"{name}={value} is outside the range the trace allows for it [{lo}, {top}]"
+    values = {s: value for s in syms}
+    for guard, _ in shapes.guards:
+        g = sympy.sympify(guard)
+        if g.free_symbols <= set(syms) and _holds(g, values) is False:
+            return f"{name}={value} contradicts the trace's guard `{_guard_text(shapes, guard)}`"
+    return None
 
 
 def _range_hint(lo: int, hi: int, traced: int | None) -> int:
@@ -467,6 +549,7 @@ class Concretize(Pass):
     sizes: Any = ()
     ranges: Any = ()
     refused: str = "error"
+    fixed: Mapping[str, int | None] = dataclasses.field(default_factory=dict)  # dims the trace fixed (None: lacks)
 
     def __post_init__(self) -> None:
         check_sizes(self.sizes, self.ranges)  # fail before any trace: typos, sizes <= 0, overlaps
@@ -477,20 +560,21 @@ class Concretize(Pass):
         object.__setattr__(self, "sizes", _freeze(self.sizes) if not isinstance(self.sizes, Mapping) else self.sizes)
         ranges = self.ranges
         object.__setattr__(self, "ranges", ranges if isinstance(ranges, Mapping) else _freeze(ranges))
+        object.__setattr__(self, "fixed", _FrozenDict(self.fixed or {}))
 
     def requires(self, program: Program) -> Sequence[Pass]:
         return _need_split_and_shapes(program)
 
     def apply(self, program: Program) -> Program:
         shapes = program.shapes
-        if not shapes.symbols and self.refused == "skip":
+        if not shapes.symbols and self.refused == "skip" and not self.fixed:
             # A trace with every size fixed (Dynamo specialised it, e.g. its first trace without
             # dynamic=True, or at size 1): compile it as it is; it serves exactly that call.
             log.info("shapewise: this trace has no dynamic sizes; compiling it as traced")
             bindings = (Binding(()),)
             return program.replace(bindings=bindings, pieces=attach_variants(program.pieces, bindings, program))
         bindings = []
-        for b in make_bindings(shapes, self.sizes, self.ranges):
+        for b in make_bindings(shapes, self.sizes, self.ranges, self.fixed):
             try:
                 check_binding(shapes, b)
             except GuardViolation as e:
@@ -549,6 +633,9 @@ def observed_range_inputs(program: Program, binding: Binding) -> dict[str, tuple
         args = _materialise(Piece("program", program.graph, shapes=shapes), mode, exprs, values, symbolic=True)
         with _compat.no_zero_one_specialisation():
             recorded = _run_split(program, args, mode)
+        bad = _compat.range_guard_violations(mode)
+        if bad:  # the run specialised a ranged size (an op's fake kernel read it as an int)
+            raise GuardViolation("; ".join(bad))
     except Exception as e:  # noqa: BLE001 - the traced layouts are the fallback
         log.debug("shapewise: layouts over %s not observed (%s: %s)", binding, type(e).__name__, e)
         return {}

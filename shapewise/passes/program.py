@@ -119,13 +119,23 @@ class Binding:
         return tuple((v, v) if isinstance(v, int) else v for _, v in self.items)
 
     def describe(self, names: Mapping[sympy.Symbol, str] | None = None) -> str:
-        """``{n=8}``; a name that several symbols share is told apart by the symbol: ``{n[s1]=4, n[s2]=6}``."""
+        """``{n=8}``; dims that share a name and a value print once (``{batch=2, seq=8}`` for
+        input_ids' and attention_mask's batch); a name whose symbols differ is told apart by the
+        symbol: ``{n[s1]=4, n[s2]=6}``."""
         names = names or {}
         shown = [names.get(s, str(s)) for s, _ in self.items]
-        parts = []
+        values: dict[str, set[Any]] = {}
+        for (_, v), name in zip(self.items, shown):
+            values.setdefault(name, set()).add(v)
+        parts, done = [], set()
         for (s, v), name in zip(self.items, shown):
             val = str(v) if isinstance(v, int) else f"{v[0]}..{v[1] if v[1] < 2**63 - 1 else 'inf'}"
-            parts.append(f"{name if shown.count(name) == 1 else f'{name}[{s}]'}={val}")
+            if len(values[name]) == 1:
+                if name not in done:
+                    parts.append(f"{name}={val}")
+                done.add(name)
+            else:
+                parts.append(f"{name}[{s}]={val}")
         return "{" + ", ".join(parts) + "}"
 
     def __str__(self) -> str:

@@ -1,0 +1,81 @@
+"""``compile_generate``: shapewise under transformers' ``model.generate()``.
+
+Generation calls ``model.forward`` twice over: once for the prompt (prefill, many tokens, an
+empty KV cache) and once per new token (decode, one token, a cache that grows by one each step
+unless it is a static cache). The model's Python branches on ``q_len > 1``, so the two are two
+traces; shapewise makes each one once:
+
+- prefill: one trace, static kernels per prompt size in ``prompt_sizes`` (plus symbolic ones per
+  ``prompt_ranges``);
+- decode: one trace fixed at one token; with the default dynamic cache its KV length is a
+  second dynamic size (``kv``), compiled over ``(1, max_length)``; with a static cache the
+  cache has one size and decode is a single static variant.
+
+>>> fast = sw.compile_generate(model, prompt_sizes=[16, 32, 64, 128], prompt_ranges=[(129, 1024)],
+...                            max_length=2048, backend="inductor")
+>>> model.generate(ids, max_new_tokens=64, do_sample=False)      # same tokens as eager
+>>> fast.report()                                                 # which trace serves which sizes
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from shapewise.backend import ShapewiseModule
+from shapewise.errors import ConfigError
+
+__all__ = ["compile_generate"]
+
+_OWN = ("sizes", "ranges", "dynamic_dims")
+
+
+def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
+                     prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
+                     static_cache: bool = False, splitting_ops: Any = ("sdpa",), **options: Any) -> ShapewiseModule:
+    """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
+    transformers' own recipe does with ``torch.compile``); returns the compiled forward.
+
+    ``prompt_sizes`` / ``prompt_ranges``: prompt lengths to compile prefill for (a prompt of
+    another length is a ``DispatchMiss``, or whatever ``on_miss`` says). ``max_length``: the
+    longest sequence (prompt + new tokens) decode must serve. ``static_cache``: make
+    ``generate()`` use transformers' static cache (``generation_config.cache_implementation``);
+    decode is then one static variant. Other options go to ``shapewise.compile``.
+    """
+    clash = [k for k in _OWN if k in options]
+    if clash:
+        raise ConfigError(f"compile_generate chooses {clash} itself (from prompt_sizes, prompt_ranges and "
+                          "max_length); use shapewise.compile to set them by hand")
+    if isinstance(model.forward, ShapewiseModule):
+        raise ConfigError("model.forward is compiled already; call compile_generate on the model once")
+    if max_length < 2:
+        raise ConfigError(f"max_length must be >= 2 (a prompt and one new token), got {max_length}")
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" not in params:
+        raise ConfigError(f"compile_generate needs a forward(input_ids, ...) (a transformers generative model); "
+                          f"{type(model).__name__}.forward takes {list(params)}")
+    # The cache argument is ``cache`` in transformers >= 5.2x, ``past_key_values`` before.
+    cache_arg = next((n for n in ("cache", "past_key_values") if n in params), None)
+    dims: dict[str, dict[int, str]] = {"input_ids": {1: "seq"}}
+    if "position_ids" in params:
+        dims["position_ids"] = {1: "seq"}
+    grows = not static_cache and cache_arg is not None
+    if grows:
+        dims[cache_arg] = {2: "kv"}  # every [batch, kv heads, kv length, head dim] tensor of the cache
+        if "attention_mask" in params:
+            dims["attention_mask"] = {1: "ctx"}  # [batch, kv length + new tokens] (older transformers pass it)
+    prompt = [{"seq": s, **({"ctx": s} if "attention_mask" in dims else {})} for s in prompt_sizes]
+    prompt_r = [{"seq": tuple(r), **({"ctx": tuple(r)} if "attention_mask" in dims else {})} for r in prompt_ranges]
+    if grows:
+        sizes, ranges = prompt, [*prompt_r, {"seq": 1, "kv": (1, max_length)}]
+    else:
+        sizes, ranges = [*prompt, {"seq": 1}], prompt_r
+    if static_cache:
+        model.generation_config.cache_implementation = "static"
+    fast = ShapewiseModule(model.forward, sizes=sizes, ranges=ranges, dynamic_dims=dims,
+                           splitting_ops=splitting_ops, **options)
+    model.forward = fast
+    return fast

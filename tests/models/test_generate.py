@@ -1,0 +1,46 @@
+"""transformers' ``generate()`` through ``sw.compile_generate``: greedy tokens identical to eager
+generation, with the default dynamic cache (the KV length a second dynamic size) and with the
+static cache, from two traces (prefill, and decode fixed at one token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shapewise as sw
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_greedy_generate_equals_eager(static_cache):
+    model = _llama()
+    extra = {"cache_implementation": "static"} if static_cache else {}
+    prompts = [torch.randint(0, 128, (1, t), generator=torch.Generator().manual_seed(t)) for t in (12, 7)]
+    expected = [model.generate(p, max_new_tokens=8, do_sample=False, **extra) for p in prompts]
+    fast = sw.compile_generate(model, prompt_sizes=[12], prompt_ranges=[(2, 11)], max_length=64,
+                               static_cache=static_cache, backend="aot_eager")
+    assert model.forward is fast
+    for p, e in zip(prompts, expected):
+        assert torch.equal(model.generate(p, max_new_tokens=8, do_sample=False), e)
+    assert fast.traces == 2  # prefill, and decode (the model branches on q_len > 1)
+    rows = fast.report()
+    keys = {(r["trace"], r["key"]) for r in rows}
+    decode = "{seq=1}" if static_cache else "{kv=1..64, seq=1}"
+    assert keys == {("1", "{seq=12}"), ("1", "{seq=2..11}"), ("2 (seq=1)", decode)}
+
+
+def test_compile_generate_refuses_what_it_chooses_itself():
+    model = _llama()
+    with pytest.raises(sw.ConfigError, match="chooses \\['sizes'\\] itself"):
+        sw.compile_generate(model, prompt_sizes=[8], sizes=[1])
+    sw.compile_generate(model, prompt_sizes=[8], backend="eager")
+    with pytest.raises(sw.ConfigError, match="compiled already"):
+        sw.compile_generate(model, prompt_sizes=[8])
