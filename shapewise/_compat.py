@@ -34,14 +34,17 @@ __all__ = [
     "no_zero_one_specialisation",
     "own_recompile_budget",
     "evaluate_at",
+    "has_static_address",
     "node_value",
     "placeholder_source",
+    "scalars_passed_as_tensors",
     "shape_env_of",
     "standalone_compile",
     "storage_length",
     "sym_expr",
     "symbol_hints",
     "trace_guards",
+    "unmark_dynamic",
     "value_range",
 ]
 
@@ -342,6 +345,19 @@ def placeholder_source(node: torch.fx.Node):
     return getattr(grapharg, "source", None) if grapharg is not None else None
 
 
+def scalars_passed_as_tensors(gm: torch.fx.GraphModule) -> list[str]:
+    """The Python floats Dynamo passed to ``gm`` as 0-d tensors (``torch.compile(dynamic=True)``
+    leaves floats unspecialised: a module's ``Dropout.p`` becomes an input read with ``.item()``),
+    by their source names."""
+    out = []
+    for node in gm.graph.nodes:
+        arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        if arg is not None and getattr(arg, "pass_arg_as_tensor", False):
+            name = getattr(arg.source, "name", node.name)  # a method in older torch, a property now
+            out.append(name() if callable(name) else str(name))
+    return out
+
+
 def local_name_of(source, positional: Sequence[str] = (), var_positional: str | None = None,
                   var_keyword: str | None = None, keywords: Collection[str] = ()) -> str | None:
     """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None. When Dynamo
@@ -382,6 +398,12 @@ def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
         torch._dynamo.mark_dynamic(t, dim)
     else:
         torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def has_static_address(t: torch.Tensor) -> bool:
+    """Whether ``t`` was marked as living at one address across calls
+    (``torch._dynamo.mark_static_address``: transformers' static KV cache)."""
+    return getattr(t, "_dynamo_static_input_type", None) is not None
 
 
 def unmark_dynamic(t: torch.Tensor, dim: int) -> None:

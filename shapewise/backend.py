@@ -96,6 +96,13 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
         raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {known}")
     names = dict(opts.pop("symbol_names", {}) or {})
     on_miss = opts.pop("on_miss", "error")
+    scalars = _compat.scalars_passed_as_tensors(gm)
+    if scalars:
+        raise ConfigError(
+            f"Dynamo passed the Python float(s) {scalars[:3]} to the graph as tensors (torch.compile(dynamic=True) "
+            "leaves floats unspecialised; a module's Dropout.p is one): shapewise compiles static kernels and needs "
+            "them constant. Set torch._dynamo.config.specialize_float = True, or use shapewise.compile(model, ...), "
+            "which traces with floats specialised")
     _specialise_layout_symbols(gm)
     program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss, inputs_guarded_by="dynamo")
     return build_pipeline(**opts).run(program)
@@ -276,14 +283,17 @@ class ShapewiseModule:
     def _to_fix(self, seen: Mapping[str, set[int]]) -> dict[str, int]:
         """The dims of a re-trace to specialise, as Dynamo alone would: a size 0 or 1 that every
         earlier trace refuses (e.g. seq=1 where the model's Python branches on ``seq > 1``: a
-        trace symbolic in it would carry that branch as a SymBool)."""
+        trace symbolic in it would carry that branch as a SymBool), or that an earlier trace
+        fixed (this call failed that trace's guards for another reason: a KV cache laid out
+        otherwise after the first decode step)."""
         fix = {}
         for name, values in seen.items():
             if len(values) != 1 or next(iter(values)) not in (0, 1):
                 continue
             v = next(iter(values))
-            if all(fixed.get(name, v) != v if name in fixed else refusal(r.program.shapes, name, v) is not None
-                   for r, fixed in zip(self.runnables, self.trace_fixed)):
+            earlier = list(zip(self.runnables, self.trace_fixed))
+            if any(fixed.get(name) == v for _, fixed in earlier) or all(
+                    name in fixed or refusal(r.program.shapes, name, v) is not None for r, fixed in earlier):
                 fix[name] = v
         return fix
 

@@ -75,6 +75,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         sizes, ranges = [*prompt, {"seq": 1}], prompt_r
     if static_cache:
         model.generation_config.cache_implementation = "static"
+    # With a static cache on a GPU, generate() would wrap the forward in torch.compile itself.
+    model.generation_config.disable_compile = True
     fast = ShapewiseModule(model.forward, sizes=sizes, ranges=ranges, dynamic_dims=dims,
                            splitting_ops=splitting_ops, **options)
     model.forward = fast

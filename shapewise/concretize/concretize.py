@@ -328,7 +328,7 @@ def _agreeing_bindings(shapes: ShapeInfo, sizes: Any, ranges: Any, fixed: Mappin
         ranges={**shapes.ranges, **{s: (v, v) if v is not None else (1, None) for s, (_, v) in stand.items()}},
         hints={**shapes.hints, **{s: v for s, (_, v) in stand.items() if v is not None}})
     known = {name: v for name, v in fixed.items() if v is not None}
-    sizes, ranges = _agreeing_spec(sizes, known), _agreeing_spec(ranges, known)
+    sizes, ranges = _agreeing_spec(sizes, known, False), _agreeing_spec(ranges, known, True)
     out: list[Binding] = []
     for b in make_bindings(augmented, sizes, ranges, optional={s for s, (_, v) in stand.items() if v is None}):
         values = b.mapping
@@ -340,7 +340,7 @@ def _agreeing_bindings(shapes: ShapeInfo, sizes: Any, ranges: Any, fixed: Mappin
     return tuple(out)
 
 
-def _agreeing_spec(spec: Any, fixed: Mapping[str, int]) -> Any:
+def _agreeing_spec(spec: Any, fixed: Mapping[str, int], ranged: bool) -> Any:
     """``sizes`` or ``ranges`` without the entries that name a fixed dim at another size (so a
     ``{seq: 12}`` need not bind the kv dim of a trace that fixed seq=1): a list of dicts loses
     those dicts, a ``{name: [...]}`` dict those values."""
@@ -351,7 +351,7 @@ def _agreeing_spec(spec: Any, fixed: Mapping[str, int]) -> Any:
     if isinstance(spec, Mapping):
         out = {}
         for name, v in spec.items():
-            vals = [v] if _is_int(v) or _is_pair(v) else list(v)
+            vals = [v] if _is_int(v) or (ranged and _is_pair(v)) else list(v)
             out[name] = [x for x in vals if agrees(name, x)]
         return out if all(out.values()) else []
     if isinstance(spec, (list, tuple)) and spec and all(isinstance(b, Mapping) for b in spec):

@@ -6,8 +6,10 @@ memory pool shared by every piece and size, and replays it; later calls only rep
 Inputs that come from outside the graphs (the caller's tensors, a splitting op's output) are
 copied into static buffers, one per (piece, input) allocated at the largest captured size
 (a call copies into a prefix view); parameters and the outputs of the previous captured piece
-are used in place. Graph outputs live in the pool and are overwritten by the next call, so
-the model's final outputs are cloned before they are returned (``copy_outputs``).
+are used in place, as are tensors marked with ``torch._dynamo.mark_static_address`` (a
+static KV cache, which the graph writes in place). Graph outputs live in the pool and are
+overwritten by the next call, so the model's final outputs are cloned before they are
+returned (``copy_outputs``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sympy
 import torch
 import torch.fx
 
+from shapewise import _compat
 from shapewise.concretize.analyze import evaluate
 from shapewise.errors import ConfigError
 from shapewise.passes.base import Pass, register_pass
@@ -80,6 +83,7 @@ class GraphedPiece:
         self.outputs: Any = None
         self.copy_slots: list[tuple[int, torch.Tensor]] = []
         self.fixed_slots: list[tuple[int, int]] = []
+        self.replayed: torch.cuda.Event | None = None  # set when a host (pinned) buffer feeds the graph
         self.fallbacks = 0
 
     def __call__(self, *args: Any) -> Any:
@@ -89,9 +93,13 @@ class GraphedPiece:
         for i, ptr in self.fixed_slots:
             if args[i].data_ptr() != ptr:
                 return self._fallback(args, i)
+        if self.replayed is not None:
+            self.replayed.synchronize()  # the last replay has read the pinned host buffers
         for i, static in self.copy_slots:
             static.copy_(args[i])
         graph.replay()
+        if self.replayed is not None:
+            self.replayed.record()
         return self.outputs
 
     def _fallback(self, args: tuple, i: int) -> Any:
@@ -111,11 +119,20 @@ class GraphedPiece:
             for i, a in enumerate(args):
                 if not isinstance(a, torch.Tensor):
                     continue
-                if isinstance(a, torch.nn.Parameter) or a.data_ptr() in live:
+                # Parameters, outputs of an earlier graph, and tensors marked as living at one
+                # address (a static KV cache, which the graph also writes) are used in place.
+                if a.is_cuda and (isinstance(a, torch.nn.Parameter) or a.data_ptr() in live
+                                  or _compat.has_static_address(a)):
                     self.fixed_slots.append((i, a.data_ptr()))
                     continue
                 buf = self.buffers[i]
-                view = buf.view(self.key) if buf is not None else torch.empty_like(a)
+                if not a.is_cuda:
+                    # A host tensor (transformers' cache counter before its first update): the
+                    # graph may copy it to the GPU only from pinned memory, read at replay.
+                    view = torch.empty_like(a).pin_memory()
+                    self.replayed = torch.cuda.Event()
+                else:
+                    view = buf.view(self.key) if buf is not None else torch.empty_like(a)
                 view.copy_(a)
                 static_args[i] = view
                 self.copy_slots.append((i, view))

@@ -44,3 +44,18 @@ def test_compile_generate_refuses_what_it_chooses_itself():
     sw.compile_generate(model, prompt_sizes=[8], backend="eager")
     with pytest.raises(sw.ConfigError, match="compiled already"):
         sw.compile_generate(model, prompt_sizes=[8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cudagraphs", ["full", True])
+def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
+    # The static cache is written in place by the graph: its tensors (marked with
+    # mark_static_address by transformers) must be used in place, not copied into static buffers.
+    model = _llama().cuda()
+    prompt = torch.randint(0, 128, (1, 12), device="cuda")
+    expected = model.generate(prompt, max_new_tokens=16, do_sample=False, cache_implementation="static")
+    fast = sw.compile_generate(model, prompt_sizes=[12], max_length=64, static_cache=True, backend="inductor",
+                               cudagraphs=cudagraphs)
+    for _ in range(2):  # the second generate() replays the captured graphs
+        assert torch.equal(model.generate(prompt, max_new_tokens=16, do_sample=False), expected)
+    assert fast.traces == 2

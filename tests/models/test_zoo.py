@@ -1,0 +1,239 @@
+"""A zoo of transformers architectures (tiny random configs, SDPA attention, float32, eval, no grad)
+through ``sw.compile`` and the ``"shapewise"`` torch.compile backend, compared with eager at
+every size: causal decoders (sequence length dynamic), encoders (batch and sequence named apart,
+padded masks), T5 (source and target lengths named apart) and ViT (batch dynamic)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import shapewise as sw
+from tests.conftest import assert_same
+
+T = pytest.importorskip("transformers")
+
+VOCAB = 128
+
+
+def _llama_like(config_cls, **extra):
+    return lambda: config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+
+
+# name -> (config factory, model class). Gemma2 is left out: transformers refuses SDPA for it
+# (it needs attention-logit soft-capping), so Gemma3's text model stands for the Gemma family.
+DECODERS = {
+    "llama": (_llama_like(T.LlamaConfig), T.LlamaForCausalLM),
+    "qwen2": (_llama_like(T.Qwen2Config), T.Qwen2ForCausalLM),
+    "qwen3": (_llama_like(T.Qwen3Config, head_dim=8), T.Qwen3ForCausalLM),
+    "mistral": (_llama_like(T.MistralConfig, sliding_window=8), T.MistralForCausalLM),
+    "gemma3": (_llama_like(T.Gemma3TextConfig, head_dim=8, sliding_window=8), T.Gemma3ForCausalLM),
+    "phi3": (_llama_like(T.Phi3Config), T.Phi3ForCausalLM),
+    "gpt2": (lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                  bos_token_id=1, eos_token_id=2), T.GPT2LMHeadModel),
+    "gpt_neox": (lambda: T.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=128, bos_token_id=1,
+                                         eos_token_id=2), T.GPTNeoXForCausalLM),
+    "opt": (lambda: T.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                num_attention_heads=4, max_position_embeddings=128, word_embed_proj_dim=32,
+                                bos_token_id=1, eos_token_id=2, pad_token_id=0), T.OPTForCausalLM),
+}
+ENCODERS = {
+    "bert": (lambda: T.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=64), T.BertModel),
+    "roberta": (lambda: T.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=64, max_position_embeddings=64, pad_token_id=1,
+                                        bos_token_id=0, eos_token_id=2), T.RobertaModel),
+}
+OTHERS = {
+    "t5": (lambda: T.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                              num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                              decoder_start_token_id=0), T.T5ForConditionalGeneration),
+    "vit": (lambda: T.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=64), T.ViTModel),
+}
+ZOO = {**DECODERS, **ENCODERS, **OTHERS}
+
+
+@functools.cache
+def model_of(name: str) -> torch.nn.Module:
+    """The zoo's model ``name``, built once per session (the tests only run it)."""
+    factory, cls = ZOO[name]
+    config = factory()
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _rows(fast) -> list[tuple[str | None, str]]:
+    """(trace, key) of the report, each once, in order."""
+    return list(dict.fromkeys((r.get("trace"), r["key"]) for r in fast.report()))
+
+
+# -- decoders: dim 1 of input_ids (the sequence) dynamic ---------------------------------------
+
+
+def check_decoder(name, fast, seqs, batch=2):
+    model = model_of(name)
+    for n in seqs:
+        ids = torch.randint(0, VOCAB, (batch, n))
+        assert_same(fast(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits,
+                    f"{name} seq={n}")
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_decoder(name):
+    fast = sw.compile(model_of(name), dynamic_dims={"input_ids": 1}, sizes=[1, 4, 16], ranges=[(17, 40)],
+                      splitting_ops=["sdpa"], backend="aot_eager")
+    check_decoder(name, fast, (4, 1, 16, 30))
+    # The trace at 4 serves 4, 16 and the range; it leaves 1 out: every one of these models runs
+    # transformers' sdpa_attention_forward, whose `is_causal = q_length > 1 and ...` puts the
+    # guard seq > 1 in the trace, so the call at 1 makes a second trace, specialised to 1.
+    assert fast.traces == 2
+    assert _rows(fast) == [("1", "{n=4}"), ("1", "{n=16}"), ("1", "{n=17..40}"), ("2 (n=1)", "{n=1}")]
+
+
+@pytest.mark.inductor
+def test_decoder_inductor():
+    fast = sw.compile(model_of("llama"), dynamic_dims={"input_ids": 1}, sizes=[1, 4], splitting_ops=["sdpa"],
+                      backend="inductor")
+    check_decoder("llama", fast, (4, 1))
+    assert fast.traces == 2  # seq > 1 in sdpa_attention_forward, as above
+    assert _rows(fast) == [("1", "{n=4}"), ("2 (n=1)", "{n=1}")]
+
+
+# -- encoders: batch and sequence named apart, a padded mask -----------------------------------
+
+ENC_DIMS = {"input_ids": {0: "batch", 1: "seq"}, "attention_mask": {0: "batch", 1: "seq"}}
+
+
+def encoder_inputs(batch, seq):
+    ids = torch.randint(3, VOCAB, (batch, seq))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, seq // 2:] = 0  # row 0 padded at the end
+    return ids, mask
+
+
+def check_encoder(name, fast, shapes, by_position=False):
+    model = model_of(name)
+    for b, s in shapes:
+        ids, mask = encoder_inputs(b, s)
+        out = fast(ids, mask) if by_position else fast(input_ids=ids, attention_mask=mask)
+        assert_same(out.last_hidden_state, model(input_ids=ids, attention_mask=mask).last_hidden_state,
+                    f"{name} batch={b} seq={s}")
+
+
+# RoBERTa is called by position, BERT by keyword. (Mixing the two on one model makes a second
+# trace: transformers' forward decorators take *args, and Dynamo guards on `not args`.)
+@pytest.mark.parametrize("name, by_position", [("bert", False), ("roberta", True)])
+def test_encoder(name, by_position):
+    fast = sw.compile(model_of(name), dynamic_dims=ENC_DIMS, sizes={"batch": [1, 2], "seq": [8, 16]},
+                      ranges={"seq": [(17, 32)]}, splitting_ops=["sdpa"], backend="aot_eager")
+    check_encoder(name, fast, [(2, 8), (1, 8), (2, 16), (1, 16), (2, 24), (1, 32), (3, 20)], by_position)
+    assert fast.traces == 1  # nothing branches on batch or seq, 1 included
+    assert [key for _, key in _rows(fast)] == [
+        "{batch=1, seq=8}", "{batch=1, seq=16}", "{batch=2, seq=8}", "{batch=2, seq=16}", "{batch=1..inf, seq=17..32}"]
+
+
+@pytest.mark.inductor
+def test_encoder_inductor():
+    fast = sw.compile(model_of("bert"), dynamic_dims=ENC_DIMS, sizes={"batch": [1, 2], "seq": [8]},
+                      splitting_ops=["sdpa"], backend="inductor")
+    check_encoder("bert", fast, [(2, 8), (1, 8)])
+    assert fast.traces == 1
+    assert [key for _, key in _rows(fast)] == ["{batch=1, seq=8}", "{batch=2, seq=8}"]
+
+
+# -- T5: encoder and decoder lengths named apart -----------------------------------------------
+
+
+def test_t5_source_and_target_lengths():
+    model = model_of("t5")
+    fast = sw.compile(model, dynamic_dims={"input_ids": {1: "src"}, "attention_mask": {1: "src"},
+                                           "decoder_input_ids": {1: "tgt"}},
+                      sizes={"src": [8, 16], "tgt": [1, 4]}, ranges=[{"src": (17, 32)}],
+                      splitting_ops=["sdpa"], backend="aot_eager")
+    for src, tgt in ((8, 4), (16, 4), (24, 4), (8, 1), (24, 1), (30, 9)):
+        ids, mask = encoder_inputs(2, src)
+        kwargs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(0, VOCAB, (2, tgt)),
+                      use_cache=False)
+        assert_same(fast(**kwargs).logits, model(**kwargs).logits, f"src={src} tgt={tgt}")
+    # The decoder's causal mask (_ignore_causal_mask_sdpa: q_length == 1) and its self-attention
+    # (sdpa_attention_forward: q_length > 1) put tgt > 1 in the trace: the call at tgt=1 makes a
+    # second trace, specialised to it, serving the src sizes and range.
+    assert fast.traces == 2
+    assert _rows(fast)[:3] == [("1", "{src=8, tgt=4}"), ("1", "{src=16, tgt=4}"), ("1", "{src=17..32, tgt=2..inf}")]
+    assert {r for r in _rows(fast) if r[0] != "1"} == {
+        ("2 (tgt=1)", "{src=8, tgt=1}"), ("2 (tgt=1)", "{src=16, tgt=1}"), ("2 (tgt=1)", "{src=17..32, tgt=1}")}
+
+
+# -- ViT: the batch of pixel_values dynamic ----------------------------------------------------
+
+
+def check_vit(fast, batches):
+    model = model_of("vit")
+    for b in batches:
+        x = torch.randn(b, 3, 32, 32)
+        out, expected = fast(pixel_values=x), model(pixel_values=x)
+        assert_same((out.last_hidden_state, out.pooler_output), (expected.last_hidden_state, expected.pooler_output),
+                    f"vit batch={b}")
+
+
+def test_vit():
+    fast = sw.compile(model_of("vit"), dynamic_dims={"pixel_values": 0}, sizes=[1, 2, 4], ranges=[(5, 8)],
+                      splitting_ops=["sdpa"], backend="aot_eager")
+    check_vit(fast, (2, 1, 4, 7))
+    assert fast.traces == 1  # nothing branches on the batch
+    assert _rows(fast) == [(None, "{n=1}"), (None, "{n=2}"), (None, "{n=4}"), (None, "{n=5..8}")]
+
+
+@pytest.mark.inductor
+def test_vit_inductor():
+    fast = sw.compile(model_of("vit"), dynamic_dims={"pixel_values": 0}, sizes=[1, 2], splitting_ops=["sdpa"],
+                      backend="inductor")
+    check_vit(fast, (2, 1))
+    assert fast.traces == 1
+
+
+# -- the "shapewise" torch.compile backend (dynamic=True: plain sizes bind dim 0, the batch) ---
+
+
+def backend_compile(name, **options):
+    return torch.compile(model_of(name), backend="shapewise", dynamic=True,
+                         options={"splitting_ops": ["sdpa"], "backend": "aot_eager", **options})
+
+
+@pytest.fixture
+def specialised_floats():
+    # torch.compile(dynamic=True) leaves floats unspecialised (Dropout.p becomes a graph input
+    # read with .item()); shapewise needs them constant and says so (see the test below).
+    with torch._dynamo.config.patch(specialize_float=True):
+        yield
+
+
+def test_torch_compile_backend_says_how_to_handle_unspecialised_floats():
+    # Dynamo wraps the backend's ConfigError in its BackendCompilerFailed
+    with pytest.raises(Exception, match=r"ConfigError: Dynamo passed the Python float\(s\) .*dropout.*\.p.*"
+                                        r"specialize_float = True"):
+        check_vit(backend_compile("vit", sizes=[1, 2, 4]), (2,))
+
+
+def test_torch_compile_backend_vit(specialised_floats):
+    # Dynamo specialises batch 1 (dynamic=True): the trace at 2 leaves it out, and the call at
+    # 1 is served by the trace Dynamo makes then.
+    check_vit(backend_compile("vit", sizes=[1, 2, 4], ranges=[(5, 8)]), (2, 4, 7, 1))
+
+
+def test_torch_compile_backend_bert(specialised_floats):
+    # The sequence stays at its traced length here (only the batch is bound).
+    check_encoder("bert", backend_compile("bert", sizes=[2, 4], ranges=[(5, 8)]), [(2, 8), (4, 8), (6, 8)])
