@@ -1,13 +1,16 @@
 """Piecewise CUDA graphs: one graph per (compiled piece, captured size), splitting ops
 (attention) run eagerly between them.
 
-Per captured size, the first call warms each piece up, captures it into a graph in one
-memory pool shared by every piece and size, and replays it; later calls only replay.
+Per captured size, the first call runs each piece as compiled (a warm-up: lazy
+initialisation stays out of the graph), the second captures it into a graph in one memory
+pool shared by every piece and size and replays it, later calls only replay: every call does
+its work once.
 Inputs that come from outside the graphs (the caller's tensors, a splitting op's output) are
 copied into static buffers, one per (piece, input) allocated at the largest captured size
 (a call copies into a prefix view); parameters and the outputs of the previous captured piece
 are used in place, as are tensors marked with ``torch._dynamo.mark_static_address`` (a
-static KV cache, which the graph writes in place). Graph outputs live in the pool and are
+static KV cache, which the graph writes in place). A piece with a host tensor input is not
+captured (a replay would skip its host work) and runs as compiled. Graph outputs live in the pool and are
 overwritten by the next call, so the model's final outputs are cloned before they are
 returned (``copy_outputs``).
 """
@@ -82,24 +85,27 @@ class GraphedPiece:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Any = None
         self.copy_slots: list[tuple[int, torch.Tensor]] = []
+        self.write_back: list[tuple[int, torch.Tensor]] = []  # copied inputs the graph writes in place
         self.fixed_slots: list[tuple[int, int]] = []
-        self.replayed: torch.cuda.Event | None = None  # set when a host (pinned) buffer feeds the graph
+        self.mutated: set[int] = set()  # inputs the warm-up wrote in place (their version moved)
+        self.warmed = False
+        self.uncaptured: str | None = None  # why this piece runs without a graph (a host tensor input)
         self.fallbacks = 0
 
     def __call__(self, *args: Any) -> Any:
         graph = self.graph
         if graph is None:
-            return self._capture(args)
+            if self.uncaptured:
+                return self.fn(*args)
+            return self._capture(args) if self.warmed else self._warm_up(args)
         for i, ptr in self.fixed_slots:
             if args[i].data_ptr() != ptr:
                 return self._fallback(args, i)
-        if self.replayed is not None:
-            self.replayed.synchronize()  # the last replay has read the pinned host buffers
         for i, static in self.copy_slots:
             static.copy_(args[i])
         graph.replay()
-        if self.replayed is not None:
-            self.replayed.record()
+        for i, static in self.write_back:
+            args[i].copy_(static)
         return self.outputs
 
     def _fallback(self, args: tuple, i: int) -> Any:
@@ -111,31 +117,43 @@ class GraphedPiece:
         self.fallbacks += 1
         return self.fn(*args)
 
+    def _warm_up(self, args: tuple) -> Any:
+        """The first call at this size: run as compiled (lazy initialisation stays out of the
+        graph), noting which inputs it writes in place. Capture waits for the next call, so
+        every call does its work once (a graph that writes a KV cache would write it twice)."""
+        self.warmed = True
+        host = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not a.is_cuda]
+        if host:
+            # Work on host tensors is not recorded in a graph (a replay would skip it), and a copy
+            # from pageable host memory cannot be captured: run this one as compiled, every call
+            # (transformers' static cache counter lives on the host until its first update).
+            self.uncaptured = f"input(s) {host} on the host"
+            log.info("shapewise: %s at %s is not captured in a CUDA graph: %s", self.name, self.key, self.uncaptured)
+            return self.fn(*args)
+        versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        out = self.fn(*args)
+        self.mutated = {i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v}
+        return out
+
     def _capture(self, args: tuple) -> Any:
         with self.pool.lock:
             live = self.pool.static_ptrs.setdefault(self.key, set())
-            self.fn(*args)  # warm-up: lazy initialisation stays out of the graph
             static_args = list(args)
             for i, a in enumerate(args):
                 if not isinstance(a, torch.Tensor):
                     continue
                 # Parameters, outputs of an earlier graph, and tensors marked as living at one
                 # address (a static KV cache, which the graph also writes) are used in place.
-                if a.is_cuda and (isinstance(a, torch.nn.Parameter) or a.data_ptr() in live
-                                  or _compat.has_static_address(a)):
+                if isinstance(a, torch.nn.Parameter) or a.data_ptr() in live or _compat.has_static_address(a):
                     self.fixed_slots.append((i, a.data_ptr()))
                     continue
                 buf = self.buffers[i]
-                if not a.is_cuda:
-                    # A host tensor (transformers' cache counter before its first update): the
-                    # graph may copy it to the GPU only from pinned memory, read at replay.
-                    view = torch.empty_like(a).pin_memory()
-                    self.replayed = torch.cuda.Event()
-                else:
-                    view = buf.view(self.key) if buf is not None else torch.empty_like(a)
+                view = buf.view(self.key) if buf is not None else torch.empty_like(a)
                 view.copy_(a)
                 static_args[i] = view
                 self.copy_slots.append((i, view))
+                if i in self.mutated:  # the graph writes the static copy: write it back to the caller's
+                    self.write_back.append((i, view))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool.get()):
@@ -145,6 +163,8 @@ class GraphedPiece:
             self.outputs = outputs
             self.graph = graph
         graph.replay()
+        for i, static in self.write_back:
+            args[i].copy_(static)
         return outputs
 
 

@@ -105,7 +105,8 @@ def test_replay_matches_uncaptured_and_never_goes_stale(backend, mode):
     plain = sw.compile(model, **kwargs)
     graphed = sw.compile(model, cudagraphs=mode, capture_sizes=[1, 2, 8, 24], **kwargs)
     with torch.no_grad():
-        for n in (8, 1, 2, 24, 8, 24, 30):  # 30: a range size that is not captured
+        # each captured size twice (the first call at a size warms up, the second captures)
+        for n in (8, 1, 2, 24, 8, 24, 1, 2, 30):  # 30: a range size that is not captured
             ids = torch.randint(0, 128, (n,), device="cuda")
             expected = plain(ids)
             got = graphed(ids)
@@ -129,8 +130,27 @@ def test_moved_parameter_falls_back_instead_of_reading_stale_memory():
     ids = torch.randint(0, 64, (4,), device="cuda")
     with torch.no_grad():
         graphed(ids)
+        graphed(ids)  # captured
         model.head.weight = torch.nn.Parameter(model.head.weight.detach() * 2)  # a new tensor
         assert_same(graphed(ids), model(ids))
+    assert any(p.fallbacks for p in graphed_pieces(graphed.program))
+
+
+def _accumulate(x, total):
+    total.add_(x.sum(0))  # writes an input in place, as a KV cache update does
+    return x * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, mode", [("inductor", True), ("aot_eager", "full")])
+def test_an_input_the_graph_writes_is_written_once_per_call_and_reaches_the_caller(backend, mode):
+    graphed = sw.compile(_accumulate, dynamic_dims={"x": 0}, sizes=[4], backend=backend, cudagraphs=mode)
+    total, expected = torch.zeros(3, device="cuda"), torch.zeros(3, device="cuda")
+    for _ in range(4):  # warm-up, capture + replay, replay, replay
+        x = torch.randn(4, 3, device="cuda")
+        assert_same(graphed(x, total), x * 2)
+        expected += x.sum(0)
+        assert_same(total, expected)
 
 
 def test_pad_runner_pads_inputs_and_slices_outputs():
