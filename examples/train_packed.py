@@ -11,6 +11,12 @@ causal masking), run between the compiled pieces. Then an ordinary AdamW loop.
     python examples/train_packed.py                 # CPU, Inductor, a few minutes
     python examples/train_packed.py --tiny          # a few seconds after the compiles
     python examples/train_packed.py --device cuda   # on a GPU
+    python examples/train_packed.py --model hf-llama --tiny   # a transformers LlamaForCausalLM
+
+With ``--model hf-llama`` the model is transformers' ``LlamaForCausalLM`` (random weights,
+SDPA attention, split there), fed the packed stream as ``input_ids`` / ``position_ids`` /
+``labels`` of shape ``[1, T]``: positions restart at every document, from which transformers
+builds the per-document causal mask; the loss is the model's own.
 
 The synthetic task: a document starts with a marker token that fixes its stride; every next
 token is the previous one plus that stride (mod the alphabet). Predicting it needs attention
@@ -192,10 +198,33 @@ def bucket_report(rows: Sequence[dict[str, Any]]) -> list[tuple[str, int, float]
     return [(k, pieces[k], s) for k, s in seconds.items()]
 
 
-def check_against_eager(model: nn.Module, fast: Any, batch: tuple[torch.Tensor, ...]) -> float:
+def hf_llama(vocab: int, dim: int, heads: int, hidden: int, layers: int, max_tokens: int) -> nn.Module:
+    """transformers' LlamaForCausalLM with random weights, SDPA attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_tokens,
+                         attention_dropout=0.0, use_cache=False)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def hf_batch(batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """A packed step as transformers takes it: ``[1, T]`` ids, per-document positions, and labels
+    (the model shifts them itself: a document's first token, and padding, are not predicted)."""
+    ids, pos, doc, _ = batch
+    labels = torch.where((pos == 0) | (doc < 0), IGNORE, ids)
+    return {"input_ids": ids[None], "position_ids": pos[None], "labels": labels[None]}
+
+
+def loss_of(call: Any, batch: tuple[torch.Tensor, ...], hf: bool) -> torch.Tensor:
+    return call(**hf_batch(batch)).loss if hf else call(*batch)
+
+
+def check_against_eager(model: nn.Module, fast: Any, batch: tuple[torch.Tensor, ...], hf: bool = False) -> float:
     """Largest relative difference of the loss and every gradient, compiled vs eager."""
     ref = copy.deepcopy(model)
-    loss, ref_loss = fast(*batch), ref(*batch)
+    loss, ref_loss = loss_of(fast, batch, hf), loss_of(ref, batch, hf)
     loss.backward()
     ref_loss.backward()
     worst = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)
@@ -214,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--buckets", type=int, default=None, help="at most this many bucket sizes")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="packed", choices=("packed", "hf-llama"),
+                    help="the model here (packed attention op) or transformers' LlamaForCausalLM")
     args = ap.parse_args(argv)
     if args.tiny:
         cfg = dict(vocab=40, dim=32, heads=2, hidden=64, layers=1)
@@ -232,15 +263,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"shapewise.plan_sizes: {list(plan.sizes)}, padding {plan.waste:.1%} of the padded tokens")
     print(plan.table())
 
-    model = PackedLM(**cfg).to(args.device)
-    tokens = {name: {0: "tokens"} for name in ("ids", "pos", "doc", "targets")}
-    fast = sw.compile(model, dynamic_dims=tokens, sizes=list(plan.sizes), splitting_ops=[ATTENTION],
-                      backend=args.backend)
+    hf = args.model == "hf-llama"
+    if hf:
+        model = hf_llama(**cfg, max_tokens=max(plan.sizes)).to(args.device).train()
+        tokens = {name: {1: "tokens"} for name in ("input_ids", "position_ids", "labels")}
+        fast = sw.compile(model, dynamic_dims=tokens, sizes=list(plan.sizes), splitting_ops=["sdpa"],
+                          backend=args.backend)
+    else:
+        model = PackedLM(**cfg).to(args.device)
+        tokens = {name: {0: "tokens"} for name in ("ids", "pos", "doc", "targets")}
+        fast = sw.compile(model, dynamic_dims=tokens, sizes=list(plan.sizes), splitting_ops=[ATTENTION],
+                          backend=args.backend)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
     first = data[0].padded(plan.bucket_of(data[0].tokens), args.device)
     t0 = time.perf_counter()
-    worst = check_against_eager(model, fast, first)  # the first call traces once and compiles every bucket
+    worst = check_against_eager(model, fast, first, hf)  # the first call traces once and compiles every bucket
     compile_s = time.perf_counter() - t0
     print(f"traced {fast.traces}x, compiled {len(plan.sizes)} buckets in {compile_s:.1f} s "
           f"({args.backend}); step 0 loss and grads vs eager: max rel. diff {worst:.1e}")
@@ -254,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         used[size] += 1
         batch = step.padded(size, args.device)
         t = time.perf_counter()
-        loss = fast(*batch)
+        loss = loss_of(fast, batch, hf)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -42,6 +42,16 @@ def test_train_packed_tiny_loss_goes_down(capsys):
     assert "shapewise.plan_sizes" in out
 
 
+def test_train_packed_on_a_transformers_llama(capsys):
+    pytest.importorskip("transformers")
+    result = load_script("examples", "train_packed").main(["--tiny", "--model", "hf-llama", "--backend", "aot_eager"])
+    assert result["traces"] == 1
+    assert result["max_rel_diff"] < 1e-4  # step 0: compiled loss and grads vs eager (float32)
+    assert result["loss_end"] < result["loss_start"] - 0.5, (result["loss_start"], result["loss_end"])
+    assert set(result["steps_per_bucket"]) <= set(result["buckets"])
+    assert "shapewise.plan_sizes" in capsys.readouterr().out
+
+
 @pytest.mark.inductor
 def test_bench_training_smoke(tmp_path):
     # The GPU benchmark's code path on CPU at the smallest size: it runs, checks, writes its files.
