@@ -81,6 +81,19 @@ def primary_symbols(shapes: ShapeInfo) -> list[sympy.Symbol]:
     raise BindingError("the graph has no symbolic sizes: there is nothing to bind sizes to")
 
 
+def _specialised_dim0(shapes: ShapeInfo) -> int | None:
+    """The size 0 or 1 Dynamo fixed dim 0 of the first tensor input to, in a graph with other
+    dynamic sizes and no named ones (``torch.compile(dynamic=True)`` traces again at batch 1,
+    specialised): plain-int sizes bind that dim, which this trace has fixed; else None."""
+    if any(s in shapes.names for s in shapes.symbols) or not shapes.symbols:
+        return None
+    tensors = [m for m in shapes.inputs if isinstance(m, TensorMeta) and m.shape]
+    if not tensors or any(isinstance(m.shape[0], sympy.Symbol) for m in tensors):
+        return None
+    first = tensors[0].shape[0]
+    return int(first) if sympy.sympify(first).is_Integer and int(first) in (0, 1) else None
+
+
 def _resolve_names(shapes: ShapeInfo, mapping: Mapping[Any, Any], what: str) -> dict[sympy.Symbol, Any]:
     table = _name_table(shapes)
     out: dict[sympy.Symbol, Any] = {}
@@ -273,10 +286,14 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
                 resolved = _resolve_names(shapes, b, "sizes")
                 out.append(complete({s: _check_size(v, "sizes") for s, v in resolved.items()}, False, "sizes"))
         elif sizes:
-            prim = primary_symbols(shapes)
+            fixed0 = _specialised_dim0(shapes)
+            prim = primary_symbols(shapes) if fixed0 is None else []
             for v in sizes:
                 _check_size(v, "sizes")
-                out.append(complete({s: v for s in prim}, False, "sizes"))
+                if fixed0 is None:
+                    out.append(complete({s: v for s in prim}, False, "sizes"))
+                elif v == fixed0 and not out:  # this trace serves only the size Dynamo fixed
+                    out.append(complete({}, False, "sizes"))
     dup = [b for i, b in enumerate(out) if b in out[:i]]
     if dup:
         raise ConfigError(f"sizes lists {dup[0].describe(shapes.names)} more than once; give each size once")
@@ -303,13 +320,17 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
                         for s, v in resolved.items()}
                 range_out.append(complete(part, True, "ranges"))
         elif ranges:
-            prim = primary_symbols(shapes)
+            fixed0 = _specialised_dim0(shapes)
+            prim = primary_symbols(shapes) if fixed0 is None else []
             for r in ranges:
                 r = _check_range(r, "ranges")
-                range_out.append(complete({s: r for s in prim}, True, "ranges"))
+                if fixed0 is None:
+                    range_out.append(complete({s: r for s in prim}, True, "ranges"))
+                elif r[0] <= fixed0 <= r[1] and not out:
+                    out.append(complete({}, False, "ranges"))
     _check_overlap(range_out, shapes)
     out.extend(range_out)
-    if not out:  # the general binding: every symbol over its whole valid range, named or not
+    if not out and not (sizes or ranges):  # the general binding: every symbol over its whole valid range
         out.append(Binding(tuple((s, full_range(s)) for s in symbols)))
     return tuple(out)
 

@@ -121,6 +121,18 @@ def test_plain_ints_bind_dim0_of_first_tensor_and_leave_others_at_trace_value():
     assert sorted(v for s, v in values.items() if s != s0) == [3, 7]
 
 
+def test_plain_ints_in_a_trace_dynamo_fixed_at_batch_one_serve_only_size_one():
+    # torch.compile(dynamic=True) traces again at batch 1 with dim 0 specialised: the sizes
+    # (meant for dim 0) must not bind the sequence, the trace's only symbol, instead.
+    gm = dynamo_graph(lambda x: x.softmax(-1) * 2, torch.randn(1, 8), dims={0: [1]})
+    shapes = sw.AnalyzeShapes()(gm).shapes
+    (seq,) = shapes.symbols
+    assert next(m for m in shapes.inputs if isinstance(m, TensorMeta)).shape[0] == 1
+    assert [dict(b.items) for b in make_bindings(shapes, [1, 2, 4], [(5, 8)])] == [{seq: 8}]  # its traced value
+    assert make_bindings(shapes, [2, 4], [(5, 8)]) == ()
+    assert [dict(b.items) for b in make_bindings(shapes, [2], [(1, 4)])] == [{seq: 8}]
+
+
 @pytest.mark.parametrize(
     "sizes, ranges, fragment",
     [
