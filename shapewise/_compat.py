@@ -230,13 +230,17 @@ def range_guard_violations(mode: FakeTensorMode) -> list[str]:
         return []
     made = _MADE_RANGES.get(env, {})
     corners: list[dict[sympy.Symbol, int]] = [{}]
-    for sym, vr in env.var_to_range.items():
-        lo, hi = made.get(sym, (vr.lower, vr.upper))
+    # Only the symbols the range was made of: a compile's own symbols (a view's -1, an
+    # unbacked size) have no corners, and a guard over them cannot be decided here.
+    for sym, vr in (made.items() if made else env.var_to_range.items()):
+        lo, hi = vr if made else (vr.lower, vr.upper)
         vals = {int(b) for b in (lo, hi) if sympy.sympify(b).is_Integer}
         corners = [{**c, sym: v} for c in corners for v in vals] or corners
     bad = [f"{sym} was fixed to {value}" for sym, value in env.replacements.items()
            if sym in made and sympy.sympify(value).is_number]
     for g in env.guards:
+        if made and not g.expr.free_symbols <= made.keys():
+            continue
         for c in corners:
             try:
                 ok = bool(g.expr.xreplace({k: sympy.Integer(v) for k, v in c.items()}))

@@ -201,3 +201,17 @@ def test_static_variant_layout_where_the_trace_left_the_order_undecided(backend)
     for n in (8, 2, 3, 5, 7):
         x = torch.randn(n, 5)
         torch.testing.assert_close(runnable(n, x), gm(n, x), msg=f"n={n}")
+
+
+def _reshape_twice(x):
+    return x.view(-1, x.shape[-1]).view(x.shape[0], x.shape[1]) * 2
+
+
+def test_a_range_binding_with_one_dim_pinned_compiles():
+    # The compile's own symbol (the view's -1) added a divisibility guard over it: no corner of
+    # the range can decide such a guard, and it was reported as a broken assumption.
+    fast = sw.compile(_reshape_twice, dynamic_dims={"x": {0: "batch", 1: "seq"}},
+                      ranges=[{"batch": (5, 8), "seq": 8}], backend="aot_eager")
+    for b in (5, 6, 8):
+        x = torch.randn(b, 8)
+        assert torch.equal(fast(x), _reshape_twice(x))
