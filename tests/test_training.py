@@ -283,3 +283,32 @@ def test_a_compile_that_specialises_a_ranged_size_is_caught():
     assert range_guard_violations(mode) == []
     mode.shape_env.evaluate_expr(sympy.Eq(s, 32))  # as a fake kernel does when it reads a size as an int
     assert any("fixed to 32" in b for b in range_guard_violations(mode))
+
+
+class _LearnedMaskAttention(nn.Module):
+    """T5's learned position bias as SDPA's float mask: on CPU, SDPA lays its output out
+    otherwise when the mask needs grad, so the piece after it must be compiled for that."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, 4, 1, 1))
+
+    def forward(self, x):  # x: [B, T, 4, 8]
+        q = x.transpose(1, 2)
+        mask = self.bias.expand(1, 4, x.shape[1], x.shape[1])
+        o = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return o.transpose(1, 2).contiguous().view(x.shape[0], x.shape[1], -1)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_layouts_are_observed_in_the_grad_mode_of_the_call(grad):
+    model = _LearnedMaskAttention()
+    fast = sw.compile(model, dynamic_dims={"x": 1}, sizes=[8], ranges=[(9, 16)], splitting_ops=["sdpa"],
+                      backend="aot_eager")
+    with torch.set_grad_enabled(grad):
+        for t in (8, 12):
+            x = torch.randn(2, t, 4, 8)
+            if grad:
+                assert_grads_match(model, fast, (x,), lambda y: y.square().mean(), f"T={t}")
+            else:
+                assert_same(fast(x), model(x), f"T={t}")

@@ -673,9 +673,11 @@ def observed_range_inputs(program: Program, binding: Binding) -> dict[str, tuple
 def _run_split(program: Program, args: Sequence[Any], mode: FakeTensorMode,
                run_piece: Callable[[Piece, tuple[Any, ...]], Any] | None = None,
                seen: dict[str, tuple[Any, ...]] | None = None) -> dict[str, tuple[Any, ...]]:
-    """Run the split program on fake ``args`` under ``mode`` (no grad), each piece as its own
-    graph (or through ``run_piece(piece, args)``); returns each piece's inputs, in ``seen`` if
-    given (so a caller keeps what was recorded before a failure)."""
+    """Run the split program on fake ``args`` under ``mode`` in the current grad mode (an op
+    may lay its output out otherwise when an input needs grad: CPU SDPA with a learned mask,
+    T5's position bias, in training), each piece as its own graph (or through
+    ``run_piece(piece, args)``); returns each piece's inputs, in ``seen`` if given (so a
+    caller keeps what was recorded before a failure)."""
     from shapewise.dispatch.runnable import make_runner
 
     seen = {} if seen is None else seen
@@ -687,7 +689,7 @@ def _run_split(program: Program, args: Sequence[Any], mode: FakeTensorMode,
         return call
 
     run = make_runner(program.graph, {p.name: recorder(p) for p in program.pieces})
-    with mode, torch.no_grad():
+    with mode:
         run(*args)
     return seen
 
@@ -696,7 +698,7 @@ def _layout_of(value: Any) -> Any:
     """A hashable description of a value's layout (a tensor's) or of the value itself."""
     if isinstance(value, torch.Tensor):
         return ("t", tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype,
-                value.device)
+                value.device, value.requires_grad)
     if value is None or isinstance(value, (bool, int, float, str)):
         return ("v", value)
     raise TypeError(type(value).__name__)
@@ -705,11 +707,13 @@ def _layout_of(value: Any) -> Any:
 def _from_layout(desc: Any) -> Any:
     if desc[0] == "v":
         return desc[1]
-    _, shape, stride, offset, dtype, device = desc
+    _, shape, stride, offset, dtype, device, requires_grad = desc
     if offset == 0:
-        return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    return torch.empty(max(storage_length(shape, stride, offset), 1), dtype=dtype, device=device).as_strided(
-        shape, stride, offset)
+        t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    else:
+        t = torch.empty(max(storage_length(shape, stride, offset), 1), dtype=dtype, device=device).as_strided(
+            shape, stride, offset)
+    return t.requires_grad_(True) if requires_grad else t
 
 
 def observed_inputs(program: Program, binding: Binding, memo: dict[Any, Any] | None = None,
@@ -763,7 +767,7 @@ def observed_inputs(program: Program, binding: Binding, memo: dict[Any, Any] | N
                 if isinstance(meta, TensorMeta):
                     desc = ("t", tuple(evaluate(e, values) for e in meta.shape),
                             tuple(evaluate(e, values) for e in meta.stride), evaluate(meta.offset, values),
-                            meta.dtype, meta.device)
+                            meta.dtype, meta.device, meta.requires_grad)
                     if desc not in made:
                         made[desc] = _from_layout(desc)
                     args.append(made[desc])
