@@ -100,16 +100,22 @@ def value_range(shape_env, symbol: sympy.Symbol) -> tuple[int | None, int | None
 
 
 def trace_guards(shape_env) -> list[tuple[sympy.Basic, str]]:
-    """The shape guards of a trace, as (sympy boolean, where it came from)."""
+    """The shape guards of a trace, as (sympy boolean, where it came from), over the trace's
+    final symbols: a guard made before Dynamo replaced a symbol by another (labels' length,
+    later proven equal to the tokens') is rewritten with the replacement, not lost."""
     if shape_env is None:
         return []
+    replacements = dict(getattr(shape_env, "replacements", {}) or {})
     out = []
     for g in shape_env.guards:
         where = ""
         sloc = getattr(g, "sloc", None)
         if sloc is not None:
             where = _repair_location(str(getattr(sloc, "maybe_user_loc", "") or "").strip())
-        out.append((g.expr, where))
+        expr = g.expr.xreplace(replacements) if replacements else g.expr
+        if expr in (sympy.true, sympy.false) and expr is not g.expr:
+            expr = g.expr  # decided by the replacement alone: keep it as written
+        out.append((expr, where))
     return out
 
 

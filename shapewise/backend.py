@@ -381,27 +381,38 @@ class ShapewiseModule:
     def _first_call(self, args: tuple, kwargs: dict, retrace: bool = False) -> Any:
         """Trace (the first call, or a re-trace after a guard failed) with the dynamic dims of
         this call's tensors marked and sizes 0/1 not specialised, except where no trace symbolic
-        in them can serve this call: a size 0/1 every earlier trace refuses, or a first trace at
-        size 0/1 that Dynamo cannot make symbolic there (the model's Python branches on it).
-        Those dims are specialised, as Dynamo would alone; that trace serves the sizes that
-        agree with them."""
+        in them can serve this call: a size 0/1 every earlier trace refuses, or a trace Dynamo
+        cannot make symbolic at this call (the model's Python branches on a size 0/1, or
+        specialises this size outright): then its sizes 0/1, then all its sizes, are fixed, as
+        Dynamo would fix them alone; that trace serves the sizes that agree with them."""
         with self._lock:
             if self.runnables and not retrace:
                 return self._compiled(*args, **kwargs)
             seen = self._mark(args, kwargs)
             fixed = self._to_fix(seen) if self.runnables else {}
-            if fixed:
-                self._mark(args, kwargs, fixed)
-            try:
-                return self._trace(args, kwargs, fixed)
-            except Exception as e:
-                small = {name: next(iter(v)) for name, v in seen.items() if len(v) == 1 and next(iter(v)) in (0, 1)}
-                if fixed or not small or isinstance(_compat.backend_error_cause(e), ShapewiseError):
-                    raise
-                log.info("shapewise: the trace symbolic in %s failed (%s: %s); tracing again with them fixed",
-                         small, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-                self._mark(args, kwargs, small)
-                return self._trace(args, kwargs, small)
+            # Then, if Dynamo cannot trace this call symbolic in them: its sizes 0/1 fixed, then
+            # every size it has (the model specialises this size, e.g. a view valid only where
+            # T - 1 == 1): a trace for exactly this call, as Dynamo would make alone.
+            single = {name: next(iter(v)) for name, v in seen.items() if len(v) == 1}
+            small = {name: v for name, v in single.items() if v in (0, 1)}
+            attempts = [fixed]
+            for more in ({**small, **fixed}, {**single, **fixed}):
+                if more not in attempts:
+                    attempts.append(more)
+            for i, attempt in enumerate(attempts):
+                self._mark(args, kwargs, attempt)
+                count = len(self.runnables)
+                try:
+                    return self._trace(args, kwargs, attempt)
+                except Exception as e:
+                    if i == len(attempts) - 1 or isinstance(_compat.backend_error_cause(e), ShapewiseError):
+                        raise
+                    # Dynamo refused the trace after handing it over (a dim marked dynamic was
+                    # specialised): it installed nothing, so neither does shapewise.
+                    del self.runnables[count:], self.trace_fixed[count:]
+                    log.info("shapewise: the trace with %s fixed failed (%s: %s); tracing again with %s fixed",
+                             attempt or "no size", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+                             attempts[i + 1])
 
     def _trace(self, args: tuple, kwargs: dict, fixed: Mapping[str, int]) -> Any:
         count = len(self.runnables)

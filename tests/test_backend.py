@@ -398,3 +398,28 @@ def test_named_dims_bind_through_a_wrapped_forward_and_several_arguments(by_keyw
     # the two arguments' batch dims take one size per binding (not a product of the two)
     assert keys == ["{batch=1, seq=8}", "{batch=1, seq=16}", "{batch=2, seq=8}", "{batch=2, seq=16}",
                     "{batch=1..inf, seq=17..32}"]
+
+
+def _view_valid_at_two(x):  # x[:, :-1] is viewable as [-1, 4] with B = 2 only where T - 1 == 1
+    return x[:, :-1].reshape(-1, 4).sum()
+
+
+def test_a_size_the_model_specialises_gets_a_trace_of_its_own():
+    fast = sw.compile(_view_valid_at_two, dynamic_dims={"x": 1}, sizes=[2, 5], backend="aot_eager")
+    for t in (5, 2, 5, 2):
+        x = torch.randn(2, t, 4)
+        assert_same(fast(x), _view_valid_at_two(x), f"T={t}")
+    # the symbolic attempt at 2 was refused by Dynamo and left nothing behind
+    assert [(r["trace"], r["key"]) for r in fast.report()] == [("1", "{n=5}"), ("2 (n=2)", "{n=2}")]
+
+
+def _shifted_loss(x, labels):  # the pad guards labels' T != 1 before cross_entropy equates it with x's T
+    shifted = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    return F.cross_entropy(x.reshape(-1, 7), shifted.reshape(-1), ignore_index=-100, reduction="sum")
+
+
+def test_a_guard_on_a_symbol_dynamo_replaced_is_kept():
+    fast = sw.compile(_shifted_loss, dynamic_dims={"x": 1, "labels": 1}, sizes=[3], ranges=[(1, 5)],
+                      backend="aot_eager")
+    with pytest.raises(sw.GuardViolation, match=r"range \{n=1\.\.5\} ends at the size \{n=1\}.*`Ne\(n, 1\)`"):
+        fast(torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3)))
