@@ -238,10 +238,16 @@ def range_guard_violations(mode: FakeTensorMode) -> list[str]:
     corners: list[dict[sympy.Symbol, int]] = [{}]
     # Only the symbols the range was made of: a compile's own symbols (a view's -1, an
     # unbacked size) have no corners, and a guard over them cannot be decided here.
+    # Besides the ends, the sizes next to them and to the middle: a guard with a floor or a
+    # modulus (T even: Eq(4*T, 8*((T + 1)//2))) can hold at both ends and fail between them.
     for sym, vr in (made.items() if made else env.var_to_range.items()):
         lo, hi = vr if made else (vr.lower, vr.upper)
-        vals = {int(b) for b in (lo, hi) if sympy.sympify(b).is_Integer}
-        corners = [{**c, sym: v} for c in corners for v in vals] or corners
+        ends = [int(b) for b in (lo, hi) if sympy.sympify(b).is_Integer]
+        vals = set(ends)
+        if len(ends) == 2:
+            mid = (ends[0] + ends[1]) // 2
+            vals |= {v for v in (ends[0] + 1, ends[1] - 1, mid, mid + 1) if ends[0] <= v <= ends[1]}
+        corners = [{**c, sym: v} for c in corners for v in sorted(vals)] or corners
     bad = [f"{sym} was fixed to {value}" for sym, value in env.replacements.items()
            if sym in made and sympy.sympify(value).is_number]
     for g in env.guards:

@@ -17,11 +17,12 @@ import torch
 
 from shapewise import _compat
 from shapewise.concretize import Concretize
-from shapewise.concretize.concretize import check_sizes, refusal
+from shapewise.concretize.concretize import check_sizes, make_bindings, refusal
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.graph_split import Split
 from shapewise.passes import Instrument, Lower, Pipeline, Program
+from shapewise.passes.program import ShapeInfo
 
 __all__ = ["ShapewiseModule", "compile", "shapewise_backend"]
 
@@ -185,6 +186,10 @@ def _dims_spec(spec: Any, arg: str) -> dict[int, str]:
     raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
 
 
+class NoDynamicSizes(BindingError):
+    """The model fixed every marked dim in this trace (perhaps only at this call's sizes)."""
+
+
 class _UnmarkedRetrace(Exception):
     """Raised by the backend for a Dynamo trace that did not come through ``_first_call``."""
 
@@ -325,7 +330,7 @@ class ShapewiseModule:
                 for v in [_compat.node_value(n)] for e in (v.shape if isinstance(v, torch.Tensor) else
                                                            [v] if isinstance(v, torch.SymInt) else [])):
             marked = ", ".join(f"dim {list(d)} of {a!r}" for a, d in self._arg_dims.items()) or "none"
-            raise BindingError(
+            raise NoDynamicSizes(
                 f"the trace has no dynamic size, so there is nothing to bind the sizes and ranges to: the model "
                 f"fixes every dim that was marked dynamic (marked: {marked}); name the dims that vary with "
                 "dynamic_dims={argument: dim}")
@@ -405,7 +410,9 @@ class ShapewiseModule:
                 try:
                     return self._trace(args, kwargs, attempt)
                 except Exception as e:
-                    if i == len(attempts) - 1 or isinstance(_compat.backend_error_cause(e), ShapewiseError):
+                    cause = _compat.backend_error_cause(e)
+                    if i == len(attempts) - 1 or (isinstance(cause, ShapewiseError) and not (
+                            isinstance(cause, NoDynamicSizes) and self._serves(single))):
                         raise
                     # Dynamo refused the trace after handing it over (a dim marked dynamic was
                     # specialised): it installed nothing, so neither does shapewise.
@@ -413,6 +420,15 @@ class ShapewiseModule:
                     log.info("shapewise: the trace with %s fixed failed (%s: %s); tracing again with %s fixed",
                              attempt or "no size", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
                              attempts[i + 1])
+
+    def _serves(self, sizes: Mapping[str, int]) -> bool:
+        """Whether a trace fixed at ``sizes`` would serve any of the requested sizes or ranges
+        (a model that specialises the size of its first call, e.g. T=2, is traced at it)."""
+        empty = ShapeInfo(symbols=(), sources={}, inputs=(), input_names=())
+        try:
+            return bool(make_bindings(empty, self._options.get("sizes"), self._options.get("ranges"), fixed=sizes))
+        except ShapewiseError:
+            return False
 
     def _trace(self, args: tuple, kwargs: dict, fixed: Mapping[str, int]) -> Any:
         count = len(self.runnables)
