@@ -35,6 +35,7 @@ __all__ = [
     "own_recompile_budget",
     "evaluate_at",
     "has_static_address",
+    "is_trace_error",
     "node_value",
     "placeholder_source",
     "scalars_passed_as_tensors",
@@ -435,6 +436,15 @@ def aot_eager(gm: torch.fx.GraphModule, args: list[Any]):
 
     with eager_backward():
         return _aot_eager(gm, args)
+
+
+def is_trace_error(e: BaseException) -> bool:
+    """Whether ``e`` was raised while Dynamo traced (it refused the code, a dim marked dynamic
+    was specialised, or the backend failed), not by running what it compiled."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    return isinstance(e, (TorchDynamoException, ConstraintViolationError))
 
 
 def backend_error_cause(e: BaseException) -> BaseException | None:

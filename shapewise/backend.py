@@ -411,8 +411,9 @@ class ShapewiseModule:
                     return self._trace(args, kwargs, attempt)
                 except Exception as e:
                     cause = _compat.backend_error_cause(e)
-                    if i == len(attempts) - 1 or (isinstance(cause, ShapewiseError) and not (
-                            isinstance(cause, NoDynamicSizes) and self._serves(single))):
+                    if i == len(attempts) - 1 or not _compat.is_trace_error(e) or (
+                            isinstance(cause, ShapewiseError) and not (
+                                isinstance(cause, NoDynamicSizes) and self._serves(single))):
                         raise
                     # Dynamo refused the trace after handing it over (a dim marked dynamic was
                     # specialised): it installed nothing, so neither does shapewise.
