@@ -35,6 +35,7 @@ __all__ = [
     "own_recompile_budget",
     "evaluate_at",
     "has_static_address",
+    "is_graph_break",
     "is_trace_error",
     "node_value",
     "placeholder_source",
@@ -445,6 +446,13 @@ def is_trace_error(e: BaseException) -> bool:
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
     return isinstance(e, (TorchDynamoException, ConstraintViolationError))
+
+
+def is_graph_break(e: BaseException) -> bool:
+    """Whether ``e`` is Dynamo refusing to trace some code in one graph (fullgraph=True)."""
+    from torch._dynamo.exc import Unsupported
+
+    return isinstance(e, Unsupported)
 
 
 def backend_error_cause(e: BaseException) -> BaseException | None:

@@ -372,6 +372,14 @@ class ShapewiseModule:
                 raise inner.with_traceback(None) from inner.__cause__
             if isinstance(e, DispatchMiss) and len(self.runnables) > 1:
                 e.add_note(self._traces_note())
+            if _compat.is_graph_break(e):
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                name = getattr(self.model, "__qualname__", type(self.model).__name__)
+                raise ShapewiseError(
+                    f"Dynamo cannot trace {name} as one graph, which shapewise needs (it traces with "
+                    f"fullgraph=True): {first}. Make that code traceable or move it out of the forward (e.g. a "
+                    "logging call, a data-dependent Python branch); Dynamo's full message is the cause below"
+                ) from e
             raise
 
     def _traces_note(self) -> str:

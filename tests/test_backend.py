@@ -423,3 +423,15 @@ def test_a_guard_on_a_symbol_dynamo_replaced_is_kept():
                       backend="aot_eager")
     with pytest.raises(sw.GuardViolation, match=r"range \{n=1\.\.5\} ends at the size \{n=1\}.*`Ne\(n, 1\)`"):
         fast(torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3)))
+
+
+def _logs_then_doubles(x):
+    print("a Python side effect Dynamo cannot put in one graph")
+    return x * 2
+
+
+def test_a_model_dynamo_cannot_trace_as_one_graph_gets_a_shapewise_error():
+    fast = sw.compile(_logs_then_doubles, sizes=[2], backend="eager")
+    with pytest.raises(sw.ShapewiseError, match=r"Dynamo cannot trace _logs_then_doubles as one graph.*fullgraph") as e:
+        fast(torch.randn(2, 3))
+    assert e.value.__cause__ is not None  # Dynamo's own message is kept
