@@ -413,7 +413,8 @@ class ShapewiseModule:
                 if more not in attempts:
                     attempts.append(more)
             for i, attempt in enumerate(attempts):
-                self._mark(args, kwargs, attempt)
+                if attempt:  # each attempt fixes a superset of the last; none: the marks made above
+                    self._mark(args, kwargs, attempt)
                 count = len(self.runnables)
                 try:
                     return self._trace(args, kwargs, attempt)
