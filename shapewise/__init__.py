@@ -5,6 +5,7 @@
 >>> runnable = sw.Pipeline([sw.Split(ops=["sdpa"]), sw.Concretize(sizes=[1, 8]), sw.Lower()]).run(gm)
 """
 
+from shapewise import display  # noqa: F401 - registers the HTML and picture renderers of the IR
 from shapewise.concretize import AnalyzeShapes, Concretize
 from shapewise.dispatch import BuildDispatch, DispatchTable, Runnable
 from shapewise.errors import (
@@ -17,24 +18,11 @@ from shapewise.errors import (
     ShapewiseError,
 )
 from shapewise.graph_split import Split, draw_split, register_alias, split_graph
-from shapewise.passes import (
-    Binding,
-    Dump,
-    Instrument,
-    Lower,
-    Pass,
-    Pipeline,
-    PrintAfter,
-    Program,
-    Report,
-    Timing,
-    Verify,
-    format_graph,
-    format_program,
-    parse_spec,
-)
-
-__version__ = "0.1.0"
+from shapewise.instruments import Dump, Verify
+from shapewise.ir import Binding, Program, Report, format_graph, format_program
+from shapewise.lower import Lower
+from shapewise.passes import Instrument, Pass, Pipeline, PrintAfter, Timing, parse_spec
+from shapewise.version import __version__  # noqa: F401 - shapewise.__version__
 
 __all__ = [
     "AnalyzeShapes", "Binding", "BindingError", "BuildDispatch", "CompileError", "Concretize", "ConfigError",

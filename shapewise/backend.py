@@ -18,11 +18,13 @@ import torch
 from shapewise import _compat
 from shapewise.concretize import Concretize
 from shapewise.concretize.concretize import check_sizes, make_bindings, refusal
+from shapewise.dispatch.cudagraphs import CudaGraphs
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.graph_split import Split
-from shapewise.passes import Instrument, Lower, Pipeline, Program
-from shapewise.passes.program import ShapeInfo
+from shapewise.ir.program import Program, ShapeInfo
+from shapewise.lower import Lower
+from shapewise.passes import Instrument, Pipeline
 
 __all__ = ["ShapewiseModule", "compile", "shapewise_backend"]
 
@@ -62,8 +64,6 @@ def build_pipeline(
     if cudagraphs and compile != "eager_all":
         raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")
     if cudagraphs:
-        from shapewise.dispatch.cudagraphs import CudaGraphs
-
         # True / "piecewise" / "full", or a dict of CudaGraphs options ({"mode": "full", "pad": True}).
         graph_opts = dict(cudagraphs) if isinstance(cudagraphs, Mapping) else {
             "mode": "full" if cudagraphs == "full" else "piecewise"}
@@ -105,7 +105,7 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
             "them constant. Set torch._dynamo.config.specialize_float = True, or use shapewise.compile(model, ...), "
             "which traces with floats specialised")
     _specialise_layout_symbols(gm)
-    program = Program(gm=gm).with_attrs(symbol_names=names, on_miss=on_miss, inputs_guarded_by="dynamo")
+    program = Program(gm=gm, symbol_names=names, on_miss=on_miss, inputs_guarded_by="dynamo")
     return build_pipeline(**opts).run(program)
 
 
@@ -349,7 +349,7 @@ class ShapewiseModule:
                                                           "refused": "skip" if self.runnables else "skip-sizes"})
         self.runnables.append(runnable)
         self.trace_fixed.append(fixed)
-        self._watch = runnable.program.attrs.get("compile_watch", self._watch)
+        self._watch = runnable.runtime.watch or self._watch
         return runnable
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

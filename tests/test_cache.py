@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import shapewise as sw
-from shapewise import cache as swcache
-from shapewise.cache import MAGIC, ArtifactCache, CacheCorrupt, decode, encode, resolve_cache
+from shapewise.lower import cache as swcache
+from shapewise.lower.cache import MAGIC, ArtifactCache, CacheCorrupt, decode, encode, resolve_cache
 from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
 from tests.conftest import assert_same
 

@@ -14,9 +14,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import shapewise as sw
 from shapewise.concretize.analyze import analyze_graph
-from shapewise.graph_key import binding_key, graph_key
+from shapewise.ir.keys import binding_key, graph_key
 from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
-from shapewise.passes.program import Binding
+from shapewise.ir.program import Binding
 from tests.conftest import assert_same
 
 

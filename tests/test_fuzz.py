@@ -30,7 +30,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 import shapewise as sw
 from shapewise._compat import node_value, sym_expr
 from shapewise.concretize import check_binding, make_bindings
-from shapewise.dispatch.runnable import make_runner
+from shapewise.ir.runner import make_runner
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP
 from tests.conftest import assert_same
 from tests.helpers import dynamo_graph, graph_args
@@ -352,7 +352,7 @@ def allowed_by_trace(gm, two, sizes, ranges):
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.target in ("L_x_", "L_z_"):
             names[sym_expr(node_value(node).shape[0])] = "n" if node.target == "L_x_" else "m"
-    shapes = sw.AnalyzeShapes()(sw.Program(gm=gm).with_attrs(symbol_names=names)).shapes
+    shapes = sw.AnalyzeShapes()(sw.Program(gm=gm, symbol_names=names)).shapes
 
     def ok(**kw):
         try:
@@ -860,7 +860,7 @@ def _allowed_t(gm, sizes, ranges):
             e = sym_expr(node_value(node).shape[1])
             if e.free_symbols:
                 names[e] = "n"
-    shapes = sw.AnalyzeShapes()(sw.Program(gm=gm).with_attrs(symbol_names=names)).shapes
+    shapes = sw.AnalyzeShapes()(sw.Program(gm=gm, symbol_names=names)).shapes
 
     def ok(**kw):
         try:

@@ -386,7 +386,7 @@ def test_a_failed_inductor_compile_leaves_nothing_in_the_cache(tmp_path):
     # Range variants get an Inductor option that does not exist: their compiles fail (and fall
     # back to eager), the static ones compile and are stored. The cache then holds exactly the
     # static artifacts, each whole, and no temporary file.
-    from shapewise.cache import ArtifactCache
+    from shapewise.lower.cache import ArtifactCache
 
     model = MLP()
     fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], backend="inductor", cache=str(tmp_path),

@@ -13,21 +13,12 @@ import torch
 import torch.fx
 
 from shapewise._compat import node_value, shape_env_of, sym_expr, symbol_hints, trace_guards, value_range
+from shapewise.errors import ShapewiseError
+from shapewise.ir.program import Program, ShapeInfo, SymbolSource, TensorMeta
+from shapewise.ir.symbolic import evaluate
 from shapewise.passes.base import Pass, register_pass
-from shapewise.passes.program import Program, ShapeInfo, SymbolSource, TensorMeta
 
 __all__ = ["AnalyzeShapes", "analyze_graph", "evaluate"]
-
-
-def evaluate(expr: Any, values: Mapping[sympy.Symbol, int]) -> int:
-    """Evaluate an integer sympy expression (torch's FloorDiv, Mod, ... included) at ``values``."""
-    if isinstance(expr, int):
-        return expr
-    out = sympy.sympify(expr).xreplace({s: sympy.Integer(v) for s, v in values.items()})
-    if out.free_symbols:
-        missing = ", ".join(sorted(str(s) for s in out.free_symbols))
-        raise KeyError(f"no value for symbol(s) {missing} in {expr}")
-    return int(out)
 
 
 def _ordered_symbols(exprs) -> list[sympy.Symbol]:
@@ -97,12 +88,10 @@ class AnalyzeShapes(Pass):
     name: ClassVar[str] = "analyze_shapes"
 
     def apply(self, program: Program) -> Program:
-        names = program.attrs.get("symbol_names", {})
+        names = program.symbol_names
         top = analyze_graph(program.gm, names)
         missing = [s for s in top.symbols if s not in top.sources]
         if missing:
-            from shapewise.errors import ShapewiseError
-
             raise ShapewiseError(
                 f"cannot read the run-time value of symbol(s) {missing} from the graph's inputs: "
                 "each symbol must be an input SymInt or a tensor input's size or stride"

@@ -18,10 +18,12 @@ import torch
 
 from shapewise import _compat
 from shapewise._compat import FakeTensorMode, storage_length
-from shapewise.concretize.analyze import AnalyzeShapes, evaluate
 from shapewise.errors import BindingError, ConfigError, GuardViolation
+from shapewise.ir.keys import graph_key
+from shapewise.ir.program import Binding, Piece, Program, ShapeInfo, TensorMeta, Variant
+from shapewise.ir.runner import make_runner
+from shapewise.ir.symbolic import evaluate
 from shapewise.passes.base import Pass, register_pass
-from shapewise.passes.program import Binding, Piece, Program, ShapeInfo, TensorMeta, Variant
 
 __all__ = ["Concretize", "check_binding", "check_sizes", "example_args", "make_bindings", "primary_symbols",
            "refusal"]
@@ -94,7 +96,7 @@ def _specialised_dim0(shapes: ShapeInfo) -> int | None:
     return int(first) if sympy.sympify(first).is_Integer and int(first) in (0, 1) else None
 
 
-def _resolve_names(shapes: ShapeInfo, mapping: Mapping[Any, Any], what: str) -> dict[sympy.Symbol, Any]:
+def resolve_names(shapes: ShapeInfo, mapping: Mapping[Any, Any], what: str) -> dict[sympy.Symbol, Any]:
     table = _name_table(shapes)
     out: dict[sympy.Symbol, Any] = {}
     for name, value in mapping.items():
@@ -108,7 +110,7 @@ def _resolve_names(shapes: ShapeInfo, mapping: Mapping[Any, Any], what: str) -> 
 
 
 def _by_name(shapes: ShapeInfo, resolved: Mapping[sympy.Symbol, Any]) -> dict[str, tuple[list[sympy.Symbol], Any]]:
-    """``{symbol: value}`` from ``_resolve_names`` grouped as ``{name: ([symbols], value)}``."""
+    """``{symbol: value}`` from ``resolve_names`` grouped as ``{name: ([symbols], value)}``."""
     groups: dict[str, tuple[list[sympy.Symbol], Any]] = {}
     for s, v in resolved.items():
         groups.setdefault(shapes.name_of(s), ([], v))[0].append(s)
@@ -274,7 +276,7 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
     if isinstance(sizes, Mapping):
         # A product over the names: the dims that share a name (input_ids' and attention_mask's
         # batch) take the same size in every binding.
-        groups = _by_name(shapes, _resolve_names(shapes, sizes, "sizes"))
+        groups = _by_name(shapes, resolve_names(shapes, sizes, "sizes"))
         lists = [[_check_size(v, f"sizes[{name!r}]") for v in ((vals,) if _is_int(vals) else vals)]
                  for name, (_, vals) in groups.items()]
         for combo in itertools.product(*lists):
@@ -283,7 +285,7 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
         sizes = list(sizes)
         if sizes and all(isinstance(b, Mapping) for b in sizes):
             for b in sizes:
-                resolved = _resolve_names(shapes, b, "sizes")
+                resolved = resolve_names(shapes, b, "sizes")
                 out.append(complete({s: _check_size(v, "sizes") for s, v in resolved.items()}, False, "sizes"))
         elif sizes:
             fixed0 = _specialised_dim0(shapes)
@@ -302,7 +304,7 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
     if ranges is None:
         ranges = ()
     if isinstance(ranges, Mapping):
-        groups = _by_name(shapes, _resolve_names(shapes, ranges, "ranges"))
+        groups = _by_name(shapes, resolve_names(shapes, ranges, "ranges"))
         lists = []
         for name, (_, v) in groups.items():
             if isinstance(v, tuple) and len(v) == 2 and all(_is_int(x) for x in v):
@@ -315,7 +317,7 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
         ranges = list(ranges)
         if ranges and all(isinstance(b, Mapping) for b in ranges):
             for b in ranges:
-                resolved = _resolve_names(shapes, b, "ranges")
+                resolved = resolve_names(shapes, b, "ranges")
                 part = {s: (_check_size(v, "ranges") if _is_int(v) else _check_range(v, "ranges"))
                         for s, v in resolved.items()}
                 range_out.append(complete(part, True, "ranges"))
@@ -583,7 +585,7 @@ class Concretize(Pass):
         object.__setattr__(self, "ranges", ranges if isinstance(ranges, Mapping) else _freeze(ranges))
         object.__setattr__(self, "fixed", _FrozenDict(self.fixed or {}))
 
-    def requires(self, program: Program) -> Sequence[Pass]:
+    def requires(self, program: Program) -> Sequence[Pass | str]:
         return _need_split_and_shapes(program)
 
     def apply(self, program: Program) -> Program:
@@ -617,8 +619,6 @@ def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],
     modes = {b: FakeTensorMode() for b in bindings if b.is_static}
     observed = {}
     if program is not None and modes:
-        from shapewise.graph_key import graph_key
-
         memo: dict[Any, Any] = {}  # identical layers at one size lay their outputs out alike: run one
         digests = {}
         for p in pieces:
@@ -678,8 +678,6 @@ def _run_split(program: Program, args: Sequence[Any], mode: FakeTensorMode,
     T5's position bias, in training), each piece as its own graph (or through
     ``run_piece(piece, args)``); returns each piece's inputs, in ``seen`` if given (so a
     caller keeps what was recorded before a failure)."""
-    from shapewise.dispatch.runnable import make_runner
-
     seen = {} if seen is None else seen
 
     def recorder(piece: Piece) -> Callable[..., Any]:
@@ -780,12 +778,8 @@ def observed_inputs(program: Program, binding: Binding, memo: dict[Any, Any] | N
     return seen
 
 
-def _need_split_and_shapes(program: Program) -> list[Pass]:
-    from shapewise.graph_split.split import Split
-
-    needs: list[Pass] = []
-    if not program.is_split:
-        needs.append(Split())
+def _need_split_and_shapes(program: Program) -> list[str]:
+    needs = [] if program.is_split else ["split"]
     if program.shapes is None or any(p.shapes is None for p in program.pieces):
-        needs.append(AnalyzeShapes())
+        needs.append("analyze_shapes")
     return needs

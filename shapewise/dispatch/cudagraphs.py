@@ -29,10 +29,13 @@ import torch
 import torch.fx
 
 from shapewise import _compat
-from shapewise.concretize.analyze import evaluate
+from shapewise._compat import evaluate_at, node_value
+from shapewise.concretize.concretize import resolve_names
 from shapewise.errors import ConfigError
+from shapewise.ir.program import Binding, Piece, Program, TensorMeta
+from shapewise.ir.runner import make_runner
+from shapewise.ir.symbolic import evaluate
 from shapewise.passes.base import Pass, register_pass
-from shapewise.passes.program import Binding, Piece, Program, TensorMeta
 
 __all__ = ["CudaGraphs", "GraphedPiece"]
 
@@ -207,8 +210,6 @@ def buffer_layouts(metas: Sequence[Any], symbols: Sequence[sympy.Symbol], keys: 
     the trace's: the static buffer takes the layout of the variant's example input at the key,
     so the graph replays what the variant was compiled for. Graph inputs (no ``piece``) keep
     the traced layout (the input guards hold them to it)."""
-    from shapewise._compat import evaluate_at
-
     out: list[dict[tuple, Layout] | None] = []
     for i, meta in enumerate(metas):
         if not (isinstance(meta, TensorMeta) and meta.device.type == "cuda"):
@@ -260,11 +261,9 @@ class CudaGraphs(Pass):
             sizes = self.capture_sizes
             object.__setattr__(self, "capture_sizes", tuple(sizes) if isinstance(sizes, (list, tuple)) else (sizes,))
 
-    def requires(self, program: Program) -> Sequence[Pass]:
+    def requires(self, program: Program) -> Sequence[Pass | str]:
         if program.dispatch is None:
-            from shapewise.dispatch.runnable import BuildDispatch
-
-            return [BuildDispatch()]
+            return ["build_dispatch"]
         return ()
 
     def capture_keys(self, program: Program) -> list[tuple[tuple, Binding]]:
@@ -278,9 +277,7 @@ class CudaGraphs(Pass):
         out = []
         for size in self.capture_sizes:
             if isinstance(size, Mapping):
-                from shapewise.concretize.concretize import _resolve_names
-
-                resolved = _resolve_names(shapes, size, "capture_sizes")
+                resolved = resolve_names(shapes, size, "capture_sizes")
                 key = tuple(resolved.get(s, shapes.hints.get(s)) for s in shapes.symbols)
             elif isinstance(size, int) and not isinstance(size, bool):
                 if len(shapes.symbols) != 1:
@@ -300,8 +297,6 @@ class CudaGraphs(Pass):
         return sorted(out, key=lambda kb: kb[0], reverse=True)  # largest first into the shared pool
 
     def apply(self, program: Program) -> Program:
-        from shapewise.dispatch.runnable import make_runner
-
         if getattr(program.lowering, "deferred", False):
             raise ConfigError(
                 f"CudaGraphs captures compiled pieces, but Lower(compile={program.lowering.compile!r}) compiles them "
@@ -335,7 +330,7 @@ class CudaGraphs(Pass):
         if self.pad:
             overrides.update(padded_entries(program, overrides))
         table = program.dispatch.with_exact(overrides)
-        return program.replace(dispatch=table).with_attrs(cudagraph_keys=tuple(k for k, _ in keys))
+        return program.replace(dispatch=table, cudagraph_keys=tuple(k for k, _ in keys))
 
 
 def _copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
@@ -392,8 +387,6 @@ def pad_runner(run: Callable[..., Any], n: int, m: int, in_dims: Sequence[tuple[
 
 def padded_entries(program: Program, captured: Mapping[tuple, Callable[..., Any]]) -> dict[tuple, Callable[..., Any]]:
     """Exact dispatch entries for every size up to the largest captured one, padded up."""
-    from shapewise._compat import node_value
-
     shapes = program.shapes
     if len(shapes.symbols) != 1:
         raise ConfigError("pad=True needs exactly one dynamic size")

@@ -34,9 +34,10 @@ import torch
 import torch.fx
 
 from shapewise import _compat
-from shapewise.concretize.analyze import evaluate
+from shapewise.dispatch.table import key_function
 from shapewise.errors import InputMismatch
-from shapewise.passes.program import Binding, Program, ShapeInfo, SymbolSource, TensorMeta
+from shapewise.ir.program import Binding, Program, ShapeInfo, SymbolSource, TensorMeta
+from shapewise.ir.symbolic import evaluate
 
 __all__ = ["InputGuards", "mutated_inputs", "python_expr"]
 
@@ -211,9 +212,8 @@ class InputGuards:
         shapes: ShapeInfo = program.shapes
         self.shapes = shapes
         self.names = tuple(shapes.input_names)
-        self.enabled = program.attrs.get("inputs_guarded_by") != GUARDED_BY_DYNAMO
+        self.enabled = program.inputs_guarded_by != GUARDED_BY_DYNAMO
         self.mutated = mutated_inputs(program.gm) if self.enabled else frozenset()
-        from shapewise.dispatch.table import key_function
 
         self.key_fn = key_function([shapes.sources[s] for s in shapes.symbols])
         self.has_int_sources = any(src.kind == "int" for src in shapes.sources.values())

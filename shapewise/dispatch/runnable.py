@@ -14,68 +14,19 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
+from shapewise.concretize.concretize import attach_variants, make_bindings
 from shapewise.dispatch.guards import InputGuards
 from shapewise.dispatch.table import DispatchTable
-from shapewise.passes.base import Pass, PassRecord, register_pass
-from shapewise.passes.display import REPORT_COLUMNS, Report
-from shapewise.passes.program import Binding, Program
+from shapewise.errors import CompileError
+from shapewise.ir.program import Binding, Program
+from shapewise.ir.report import REPORT_COLUMNS, Report, html_table
+from shapewise.ir.runner import make_runner
+from shapewise.lower.lower import SOURCES, CompileSession, Lower, summary_line
+from shapewise.passes.base import Pass, PassRecord, register_pass, register_runnable
 
-__all__ = ["BuildDispatch", "CompileReport", "CompileWatch", "Runnable", "make_runner"]
+__all__ = ["BuildDispatch", "CompileReport", "CompileWatch", "DispatchRuntime", "Runnable"]
 
 log = logging.getLogger("shapewise")
-
-
-def _fmt(arg: Any) -> str:
-    if isinstance(arg, torch.fx.Node):
-        return arg.name
-    if isinstance(arg, tuple):
-        return "(" + "".join(_fmt(a) + ", " for a in arg) + ")"
-    if isinstance(arg, list):
-        return "[" + ", ".join(_fmt(a) for a in arg) + "]"
-    if isinstance(arg, dict):
-        return "{" + ", ".join(f"{k!r}: {_fmt(v)}" for k, v in arg.items()) + "}"
-    return repr(arg)
-
-
-def make_runner(stitch: torch.fx.GraphModule, callables: Mapping[str, Callable[..., Any]]) -> Callable[..., Any]:
-    """Generate one Python function that runs the pieces in order, with ``callables[piece]``
-    standing for each piece, and frees each intermediate after its last use."""
-    nodes = list(stitch.graph.nodes)
-    last_use: dict[str, int] = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last_use[a.name] = i
-    params = [n.name for n in nodes if n.op == "placeholder"]
-    lines = [f"def run({', '.join(params)}):"]
-    env: dict[str, Any] = {}
-    for i, n in enumerate(nodes):
-        if n.op == "call_module":
-            env[f"_{n.target}"] = callables[n.target]
-            lines.append(f"    {n.name} = _{n.target}({', '.join(_fmt(a) for a in n.args)})")
-        elif n.op == "call_function":
-            lines.append(f"    {n.name} = {_fmt(n.args[0])}[{n.args[1]!r}]")
-        elif n.op == "output":
-            lines.append(f"    return {_fmt(n.args[0])}")
-            break
-        dead = [a.name for a in n.all_input_nodes if last_use.get(a.name) == i and a.op != "placeholder"]
-        if dead:
-            lines.append(f"    del {', '.join(dead)}")
-    src = "\n".join(lines) + "\n"
-    exec(compile(src, "<shapewise-runner>", "exec"), env)  # noqa: S102 - generated from the graph
-    run = env["run"]
-    run.__source__ = src
-    return run
-
-
-def _callables_for(program: Program, binding: Binding | None) -> dict[str, Callable[..., Any]]:
-    out = {}
-    for p in program.pieces:
-        if p.is_splitting or binding is None:
-            out[p.name] = p.gm.forward
-        else:
-            v = p.variant_for(binding)
-            out[p.name] = v.compiled if v is not None and v.compiled is not None else p.gm.forward
-    return out
 
 
 @register_pass
@@ -87,23 +38,25 @@ class BuildDispatch(Pass):
     name: ClassVar[str] = "build_dispatch"
     on_miss: str = "error"
 
-    def requires(self, program: Program) -> Sequence[Pass]:
+    def requires(self, program: Program) -> Sequence[Pass | str]:
         deferred = getattr(program.lowering, "deferred", False)  # lazy / background: compiled here
         if program.bindings is None or (not deferred and any(
             v.compiled is None for p in program.compute_pieces for v in p.variants
         )):
-            from shapewise.passes.lower import Lower
-
-            return [Lower()]
+            return ["lower"]
         return ()
 
     def apply(self, program: Program) -> Program:
         shapes = program.shapes
-        on_miss = program.attrs.get("on_miss", self.on_miss)
+        on_miss = program.on_miss or self.on_miss
         exact, ranges = {}, []
         guards = InputGuards(program)  # checks inputs (no-op when Dynamo's guards sit in front)
-        session = program.attrs.get("compile_session")
-        mode = getattr(program.lowering, "compile", "eager_all") if session is not None else "eager_all"
+        lowering = program.lowering
+        mode = getattr(lowering, "compile", "eager_all")
+        # Lazy and background variants (and on_miss="dynamic") compile here, in a session of the
+        # table's own: run-time state, held by the table (and shown by its Runnable), never the IR.
+        session = lowering.session() if lowering is not None and (mode != "eager_all" or on_miss == "dynamic") \
+            else None
         deferred: dict[Binding, tuple[_Deferred, Callable[..., Any]]] = {}
         background = None
         watch = CompileWatch()
@@ -116,14 +69,14 @@ class BuildDispatch(Pass):
                 runner = guards.wrap(b, d)
                 deferred[b] = (d, runner)
             else:
-                runner = guards.wrap(b, make_runner(program.graph, _callables_for(program, b)))
+                runner = guards.wrap(b, make_runner(program.graph, program.callables(b)))
             if b.is_static:
                 exact[b.key] = runner
             else:
                 ranges.append((b, runner))
         miss_runner = None
         if on_miss == "eager":
-            eager = make_runner(program.graph, _callables_for(program, None))
+            eager = make_runner(program.graph, program.callables(None))
             miss_runner = lambda key: eager  # noqa: E731
         elif on_miss == "dynamic" and background is not None:
             miss_runner = lambda key: background  # noqa: E731 - never compiles on the caller's thread
@@ -133,17 +86,14 @@ class BuildDispatch(Pass):
                               shapes.names, on_miss, guards.wrap_miss(miss_runner))
         for b, (d, entry) in deferred.items():
             d.on_ready = _swapper(table, guards, b, entry)
+        table.runtime = DispatchRuntime(session, background, watch if deferred else None)
         if background is not None:
             background.start({b: d for b, (d, _) in deferred.items()})
-            return program.replace(dispatch=table).with_attrs(background=background, compile_watch=watch)
-        return program.replace(dispatch=table).with_attrs(compile_watch=watch) if deferred else \
-            program.replace(dispatch=table)
+        return program.replace(dispatch=table)
 
 
 def _binding_builder(program: Program, session: Any, binding: Binding) -> Callable[[], Callable[..., Any]]:
     def build() -> Callable[..., Any]:
-        from shapewise.passes.lower import SOURCES, summary_line
-
         t0 = time.perf_counter()
         before = dict(session.counts)
         runner = make_runner(program.graph, session.compile_binding(program.pieces, binding))
@@ -161,6 +111,17 @@ def _swapper(table: DispatchTable, guards: InputGuards, binding: Binding,
         table.replace_runner(entry, guards.wrap(binding, runner))
 
     return swap
+
+
+@dataclass
+class DispatchRuntime:
+    """What a dispatch table runs with besides its runners: the compile session of its lazy,
+    background and on-miss variants, the background thread, and the watch ``shapewise.compile``
+    reads (whether compiles may still run while it is called). Never part of the IR."""
+
+    session: CompileSession | None = None
+    background: _Background | None = None
+    watch: CompileWatch | None = None
 
 
 class CompileWatch:
@@ -239,7 +200,7 @@ class _Background:
         self.program = program
         self.session = session
         self.pending: dict[Binding, _Deferred] = {}
-        self.fallback: Callable[..., Any] = make_runner(program.graph, _callables_for(program, None))
+        self.fallback: Callable[..., Any] = make_runner(program.graph, program.callables(None))
         self.errors: list[BaseException] = []
         self.seconds = 0.0
         self.done = threading.Event()
@@ -263,8 +224,6 @@ class _Background:
             self.thread.join(timeout)
 
     def _run(self) -> None:
-        from shapewise.passes.lower import SOURCES, summary_line
-
         t0 = time.perf_counter()
         before = dict(self.session.counts)
         try:
@@ -313,9 +272,6 @@ class _GeneralVariant:
 
     def __call__(self, key: tuple) -> Callable[..., Any]:
         if self.runner is None:
-            from shapewise.concretize.concretize import attach_variants, make_bindings
-            from shapewise.passes.lower import Lower
-
             (general,) = make_bindings(self.program.shapes)
             pieces = attach_variants(self.program.pieces, [general])
             session = self.session or (self.program.lowering or Lower()).session()
@@ -360,8 +316,6 @@ class CompileReport(Report):
         return super().__str__() + "\n" + self.total_line()
 
     def _repr_html_(self) -> str:
-        from shapewise.passes.display import html_table
-
         return html_table(self, self.columns, caption=self.total_line())
 
 
@@ -388,15 +342,20 @@ class Runnable:
             fn = self._resolve(key)
         return fn(*args)
 
+    @property
+    def runtime(self) -> DispatchRuntime:
+        """The table's run-time state: compile session, background thread, compile watch."""
+        return getattr(self.table, "runtime", None) or DispatchRuntime()
+
     def report(self) -> CompileReport:
-        session = self.program.attrs.get("compile_session")
+        session = self.runtime.session
         done = session.results if session is not None else {}
         rows = []
         for p in self.program.compute_pieces:
             for v in p.variants:
                 got = done.get((p.name, v.binding))
                 rows.append(dict(got.report if got is not None else v.report))
-        background = self.program.attrs.get("background")
+        background = self.runtime.background
         miss = getattr(self.table._miss_runner, "__wrapped__", self.table._miss_runner)
         for general in (getattr(background, "general", None), miss):
             if isinstance(general, _GeneralVariant):
@@ -406,18 +365,19 @@ class Runnable:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the background compiles (``compile="background"``); True when all are done.
         Raises ``CompileError`` if one failed and ``on_compile_error`` is "raise"."""
-        background = self.program.attrs.get("background")
+        background = self.runtime.background
         if background is None:
             return True
         if not background.done.wait(timeout):
             return False
         lowering = self.program.lowering
         if background.errors and getattr(lowering, "on_compile_error", "raise") == "raise":
-            from shapewise.errors import CompileError
-
             raise CompileError(f"{len(background.errors)} background compile(s) failed; the first: "
                                f"{background.errors[0]}") from background.errors[0]
         return True
 
     def __repr__(self) -> str:
         return f"<shapewise.Runnable {len(self.program.pieces)} pieces, {len(self.table)} dispatch entries>"
+
+
+register_runnable(Runnable)

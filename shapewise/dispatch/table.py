@@ -12,7 +12,8 @@ from typing import Any
 import sympy
 
 from shapewise.errors import ConfigError, DispatchMiss
-from shapewise.passes.program import Binding, SymbolSource
+from shapewise.ir.program import Binding, SymbolSource
+from shapewise.ir.report import html_table, text_table
 
 __all__ = ["DispatchTable", "key_function"]
 
@@ -58,6 +59,9 @@ class DispatchTable:
         self._miss_runner = miss_runner
         self._lock = threading.Lock()
         self._memo = 0
+        #: Run-time state the dispatch stage attaches (compile session, background thread); see
+        #: ``dispatch.runnable.DispatchRuntime``.
+        self.runtime: Any = None
         # Grid: per symbol, the sorted cut points of all range boxes.
         d = len(self.symbols)
         self._cuts: list[list[int]] = [sorted({c for b, _ in ranges for c in (b.bounds()[j][0], b.bounds()[j][1] + 1)})
@@ -135,14 +139,17 @@ class DispatchTable:
         return len(self.static_keys) + len(self.range_bindings)
 
     def __str__(self) -> str:
-        from shapewise.passes.display import table_text
-
-        return table_text(self)
+        """What the key reads, then one row per entry."""
+        return self._header() + "\n" + text_table(self.rows(), ["kind", "key"])
 
     def _repr_html_(self) -> str:
-        from shapewise.passes.display import table_html
+        return html_table(self.rows(), ["kind", "key"], caption=self._header())
 
-        return table_html(self)
+    def _header(self) -> str:
+        names = ", ".join(f"{s}" + (f" ({self.names[s]})" if s in self.names else "") + f" ← {src}"
+                          for s, src in zip(self.symbols, self.sources))
+        return (f"DispatchTable: {len(self.static_keys)} exact, {len(self.range_bindings)} ranges, "
+                f"on_miss={self.on_miss!r}; key = ({names})")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))

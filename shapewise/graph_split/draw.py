@@ -23,7 +23,7 @@ import torch.fx
 
 from shapewise._compat import node_value, sym_expr
 from shapewise.errors import ShapewiseError
-from shapewise.passes.program import Piece, Program
+from shapewise.ir.program import Piece, Program
 
 __all__ = [
     "INPUT",

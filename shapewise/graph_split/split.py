@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -16,9 +17,10 @@ import torch
 import torch.fx
 
 from shapewise._compat import node_value, sym_expr
+from shapewise.errors import ShapewiseError
 from shapewise.graph_split.registry import OpMatcher, is_allocation, is_getitem, resolve_ops
+from shapewise.ir.program import Piece, Program
 from shapewise.passes.base import Pass, register_pass
-from shapewise.passes.program import Piece, Program
 
 __all__ = ["Split", "SplitPlan", "apply_plan", "plan_split", "stitch_graph"]
 
@@ -273,17 +275,14 @@ def stitch_graph(gm: torch.fx.GraphModule, pieces: Sequence[Piece], piece_inputs
 
 
 def _get_attr(g: torch.fx.Graph, env: dict, a: torch.fx.Node) -> torch.fx.Node:
-    from shapewise.errors import ShapewiseError
-
     raise ShapewiseError(
         f"a get_attr node ({a.format_node()}) is read directly by the stitching graph; "
         "shapewise expects attributes to be read inside a piece"
     )
 
 
-import operator as _operator  # noqa: E402
 
-_getitem = _operator.getitem
+_getitem = operator.getitem
 
 
 @register_pass
@@ -311,4 +310,4 @@ class Split(Pass):
                         "`shapewise inspect` for the graph's targets)", ", ".join(map(str, self.ops)))
         stitch, pieces = apply_plan(gm, plan)
         return program.replace(gm=gm, graph=stitch, pieces=pieces, shapes=None, bindings=None,
-                               dispatch=None).with_attrs(split_plan=plan, splitting_ops=self.ops)
+                               dispatch=None, split_plan=plan, splitting_ops=tuple(self.ops))

@@ -1,15 +1,18 @@
-"""The pass framework: Pass, Program, Pipeline, instruments, the printer; and Lower."""
+"""The pass framework: ``Pass`` (frozen dataclasses whose specs parse back), ``Pipeline``,
+``Instrument`` (``PrintAfter``, ``Timing``), the registry. The stages live above it
+(``graph_split``, ``concretize``, ``lower``, ``dispatch``); the IR below it (``shapewise.ir``)."""
 
-from shapewise.passes.base import Instrument, Pass, PassRecord, Pipeline, PrintAfter, Timing, parse_spec, register_pass
-from shapewise.passes.display import Report
-from shapewise.passes.instruments import Dump, Verify, random_inputs
-from shapewise.passes.lower import Lower
-from shapewise.passes.printer import format_graph, format_program, format_shapes
-from shapewise.passes.program import Binding, Piece, Program, ShapeInfo, SymbolSource, TensorMeta, Variant
+from shapewise.passes.base import (
+    Instrument,
+    Pass,
+    PassRecord,
+    Pipeline,
+    PrintAfter,
+    Timing,
+    parse_spec,
+    register_pass,
+    register_runnable,
+)
 
-__all__ = [
-    "Binding", "Dump", "Instrument", "Lower", "Pass", "PassRecord", "Piece", "Pipeline", "PrintAfter", "Program",
-    "Report", "Verify", "random_inputs",
-    "ShapeInfo", "SymbolSource", "TensorMeta", "Timing", "Variant", "format_graph", "format_program",
-    "format_shapes", "parse_spec", "register_pass",
-]
+__all__ = ["Instrument", "Pass", "PassRecord", "Pipeline", "PrintAfter", "Timing", "parse_spec", "register_pass",
+           "register_runnable"]

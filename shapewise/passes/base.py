@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 import torch.fx
 
 from shapewise.errors import ShapewiseError
-from shapewise.passes.program import Program
+from shapewise.ir.printer import format_program
+from shapewise.ir.program import Program
 
 __all__ = [
     "Instrument",
@@ -23,15 +24,25 @@ __all__ = [
     "Timing",
     "parse_spec",
     "register_pass",
+    "register_runnable",
 ]
 
 _REGISTRY: dict[str, type[Pass]] = {}
+_RUNNABLE: Callable[[Program, tuple[PassRecord, ...]], Any] | None = None
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:
     """Class decorator: make a pass parseable from its spec string."""
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def register_runnable(factory: Callable[[Program, tuple[PassRecord, ...]], Any]) -> Callable[..., Any]:
+    """Set what ``Pipeline.run`` returns: ``factory(final program, stage records)`` (the dispatch
+    stage registers ``Runnable``; the framework does not import the stages above it)."""
+    global _RUNNABLE
+    _RUNNABLE = factory
+    return factory
 
 
 def _format_value(v: Any) -> str:
@@ -98,7 +109,8 @@ class Pass:
 
     Subclasses set ``name`` and implement ``apply(program) -> program``; they never mutate
     their input. ``requires(program)`` lists passes that must run first when the program
-    lacks what this pass needs (run on demand by ``Pipeline``).
+    lacks what this pass needs (run on demand by ``Pipeline``), by spec (``"concretize"``,
+    looked up in the registry: a stage never imports the stages it depends on) or as objects.
     """
 
     name: ClassVar[str] = "pass"
@@ -106,7 +118,7 @@ class Pass:
     def apply(self, program: Program) -> Program:
         raise NotImplementedError
 
-    def requires(self, program: Program) -> Sequence[Pass]:
+    def requires(self, program: Program) -> Sequence[Pass | str]:
         return ()
 
     def __call__(self, program: Program | torch.fx.GraphModule) -> Program:
@@ -152,8 +164,6 @@ class PrintAfter(Instrument):
 
     def after_pass(self, p: Pass, program: Program, seconds: float) -> None:
         if not self.passes or p.name in self.passes:
-            from shapewise.passes.printer import format_program
-
             self.out(f"// ----- after {p.spec()} ({seconds * 1e3:.1f} ms)\n{format_program(program)}")
 
 
@@ -217,6 +227,7 @@ class Pipeline(Pass):
 
     def _run_one(self, p: Pass, program: Program, records: list[PassRecord], on_demand: bool) -> Program:
         for dep in p.requires(program):
+            dep = parse_spec(dep) if isinstance(dep, str) else dep
             program = self._run_one(dep, program, records, on_demand=True)
         if isinstance(p, Pipeline):
             sub = Pipeline(p.passes, (*self.instruments, *p.instruments))
@@ -243,13 +254,16 @@ class Pipeline(Pass):
         return out
 
     def run(self, gm: torch.fx.GraphModule | Program):
-        """Run the pipeline on a graph and return a callable ``Runnable``."""
-        from shapewise.dispatch.runnable import BuildDispatch, Runnable
-
+        """Run the pipeline on a graph and return a callable ``Runnable`` (made by the factory
+        the dispatch stage registers, see ``register_runnable``), running ``build_dispatch``
+        first when no pass built the table."""
+        if _RUNNABLE is None:
+            raise ShapewiseError("no runnable factory is registered: import shapewise (its dispatch stage "
+                                 "registers one) before Pipeline.run")
         program = gm if isinstance(gm, Program) else Program(gm=gm)
         records: list[PassRecord] = []
         self.trace(program, records)
         if not records or records[-1].program.dispatch is None:
             last = records[-1].program if records else program
-            Pipeline([BuildDispatch()], self.instruments).trace(last, records)
-        return Runnable(records[-1].program, tuple(records))
+            Pipeline(["build_dispatch"], self.instruments).trace(last, records)
+        return _RUNNABLE(records[-1].program, tuple(records))

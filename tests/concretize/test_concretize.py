@@ -8,7 +8,7 @@ import torch
 
 import shapewise as sw
 from shapewise.concretize import make_bindings
-from shapewise.passes.program import SymbolSource, TensorMeta
+from shapewise.ir.program import SymbolSource, TensorMeta
 from tests.helpers import dynamo_graph, symbolic_graph
 
 
@@ -174,7 +174,7 @@ def test_tensor_meta_records_layout():
 
 
 def test_guard_location_gets_back_the_letter_torch_cuts(tmp_path):
-    from shapewise._compat import _repair_location
+    from shapewise._compat.shapes import _repair_location
 
     f = tmp_path / "model.py"
     f.write_text("x = 1\n")

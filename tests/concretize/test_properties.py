@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import shapewise as sw
 from shapewise._compat import CeilDiv, FloorDiv, Max, Min, Mod
-from shapewise.concretize import evaluate
-from shapewise.dispatch.runnable import make_runner
+from shapewise.ir import evaluate
+from shapewise.ir.runner import make_runner
 from tests.conftest import assert_same
 from tests.helpers import dynamo_graph
 

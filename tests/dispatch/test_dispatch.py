@@ -8,7 +8,7 @@ import torch
 
 import shapewise as sw
 from shapewise.dispatch import DispatchTable
-from shapewise.passes.program import Binding, SymbolSource
+from shapewise.ir.program import Binding, SymbolSource
 from tests.conftest import assert_same
 from tests.helpers import dynamo_graph
 
@@ -62,7 +62,7 @@ def test_miss_policies_on_a_runnable():
     with pytest.raises(sw.DispatchMiss, match=r"size \{s\d+=3\}.*compiled sizes: \{s\d+=2\}, \{s\d+=4\}; ranges: none"):
         runnable(*n_args(3))
     for policy in ("eager", "dynamic"):
-        program = runnable.program.with_attrs(on_miss=policy)
+        program = runnable.program.replace(on_miss=policy)
         r = sw.Pipeline([sw.BuildDispatch()]).run(program)
         args = n_args(3)
         assert_same(r(*args), ((args[1] * 2).relu(),))

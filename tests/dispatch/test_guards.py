@@ -12,7 +12,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import shapewise as sw
-from shapewise.concretize import evaluate
+from shapewise.ir import evaluate
 from shapewise.dispatch.guards import mutated_inputs, python_expr
 from tests.concretize.test_properties import SYMS, _exprs, to_sympy
 from tests.conftest import assert_same
@@ -167,7 +167,7 @@ def test_a_mutated_input_is_copied_back():
 def test_miss_runners_are_guarded_too(policy):
     gm = dynamo_graph(mlp, torch.randn(8, 4), W)
     program = sw.Pipeline([sw.Concretize(sizes=[8]), sw.Lower(backend="aot_eager")]).run(gm).program
-    r = sw.Pipeline([sw.BuildDispatch(on_miss=policy)]).run(program.with_attrs(on_miss=policy))
+    r = sw.Pipeline([sw.BuildDispatch(on_miss=policy)]).run(program.replace(on_miss=policy))
     x = torch.randn(4, 5).t()
     assert_same(r(*graph_args(gm, x, W)), mlp(x, W))
     with pytest.raises(sw.InputMismatch, match="expected dtype"):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import shapewise as sw
-from shapewise.dispatch.runnable import make_runner
+from shapewise.ir.runner import make_runner
 from shapewise.graph_split import plan_split, resolve_ops
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, ToyTransformer
 from tests.conftest import assert_same

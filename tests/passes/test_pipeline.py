@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import shapewise as sw
-from shapewise.passes import format_graph, parse_spec
+from shapewise.ir import format_graph
+from shapewise.passes import parse_spec
 from tests.helpers import dynamo_graph, symbolic_graph
 
 

@@ -23,10 +23,18 @@ import sympy
 import torch
 import torch.fx
 
+from shapewise._compat import compiled_source, storage_length
+from shapewise.concretize.analyze import analyze_graph
+from shapewise.concretize.concretize import make_bindings
+from shapewise.dispatch.runnable import Runnable
 from shapewise.errors import ShapewiseError
+from shapewise.graph_split.draw import draw_split, split_dot
+from shapewise.ir.printer import format_graph, format_program
+from shapewise.ir.program import Binding, Program, ShapeInfo, TensorMeta, Variant
+from shapewise.ir.report import Report
+from shapewise.ir.runner import make_runner
+from shapewise.ir.symbolic import evaluate
 from shapewise.passes.base import Instrument, Pass, PrintAfter, Timing
-from shapewise.passes.printer import format_graph, format_program
-from shapewise.passes.program import Binding, Program, ShapeInfo, TensorMeta, Variant
 
 __all__ = [
     "TOLERANCES",
@@ -52,7 +60,6 @@ def variant_source(variant: Variant) -> str | None:
     """The code a backend generated for a compiled variant (Inductor's wrapper), else None."""
     if variant.compiled is None:
         return None
-    from shapewise._compat import compiled_source
 
     return compiled_source(variant.compiled)
 
@@ -135,8 +142,6 @@ class Dump(Instrument):
         return written
 
     def _write_split(self, program: Program, path: Path) -> list[Path]:
-        from shapewise.graph_split.draw import draw_split, split_dot
-
         draw_split(program, path / "split.png")
         written = [path / "split.png"]
         dot = shutil.which(self.graphviz) if self.graphviz else None
@@ -159,9 +164,6 @@ def random_inputs(shapes: ShapeInfo, values: Mapping[sympy.Symbol, int], *, seed
     high exclusive: keep indices valid), bools random. SymInt inputs are their value. The
     same ``seed`` and values give the same tensors; the global RNG is not touched.
     """
-    from shapewise._compat import storage_length
-    from shapewise.concretize.analyze import evaluate
-
     gen = torch.Generator().manual_seed(seed)
     out: list[Any] = []
     for meta in shapes.inputs:
@@ -276,10 +278,9 @@ class Verify(Instrument):
     def after_pass(self, p: Pass, program: Program, seconds: float) -> None:
         if program.graph is None or (self.passes and p.name not in self.passes):
             return
-        from shapewise.concretize.analyze import analyze_graph
 
         reference = self._reference if self._reference is not None else program.gm
-        shapes = program.shapes or self._ref_shapes or analyze_graph(reference, program.attrs.get("symbol_names"))
+        shapes = program.shapes or self._ref_shapes or analyze_graph(reference, program.symbol_names)
         for values in self._values(program, shapes):
             row = self.check(p.spec(), program, reference, shapes, values)
             self.rows.append(row)
@@ -292,8 +293,6 @@ class Verify(Instrument):
 
     def _values(self, program: Program, shapes: ShapeInfo) -> list[dict[sympy.Symbol, int]]:
         if self.sizes is not None:
-            from shapewise.concretize.concretize import make_bindings
-
             bindings = make_bindings(shapes, self.sizes)
         elif program.bindings:
             bindings = program.bindings
@@ -307,8 +306,6 @@ class Verify(Instrument):
         return out
 
     def _callable(self, program: Program, values: Mapping[sympy.Symbol, int]) -> tuple[str, Callable[..., Any]]:
-        from shapewise.dispatch.runnable import Runnable, make_runner
-
         if program.dispatch is not None:
             return "dispatch", Runnable(program)
         binding = _binding_for(program, values)
@@ -359,8 +356,6 @@ class Verify(Instrument):
 
     def report(self):
         """The rows as a ``Report`` (a list of dicts that prints as a table)."""
-        from shapewise.passes.display import Report
-
         return Report(self.rows, columns=("pass", "size", "ran", "max_error", "ok"))
 
     def __str__(self) -> str:

@@ -5,7 +5,7 @@ moves it, ``SHAPEWISE_CACHE=0`` (or ``cache=False`` in ``Lower`` / ``shapewise.c
 turns it off.
 
 What: one file per (piece content, binding, compiler, build), named by the sha256 of all of
-them, never by a position or a name (see ``shapewise.graph_key``). Only Inductor artifacts are
+them, never by a position or a name (see ``shapewise.ir.keys``). Only Inductor artifacts are
 cached: eager, aot_eager and callable backends produce nothing that can be saved. A file holds
 a JSON header (key, the torch build, a checksum per section) and sections: Inductor's own
 binary artifact (``CompiledArtifact.save(format="binary")``) and, on CPU, the compiled C++

@@ -1,8 +1,15 @@
-"""The data that flows through the pipeline: Program, Piece, ShapeInfo, Binding, Variant."""
+"""The data that flows through the pipeline: Program, Piece, ShapeInfo, Binding, Variant.
+
+Plain data: no live sessions, threads or pass objects (run-time state lives on the
+``Runnable``). How each object shows itself is registered in ``RENDERERS`` from above (the
+canonical printer here in ``ir``, HTML and pictures by ``shapewise.display``); the IR imports
+neither.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +17,18 @@ from typing import Any
 import sympy
 import torch.fx
 
-__all__ = ["Binding", "Piece", "Program", "ShapeInfo", "SymbolSource", "Variant"]
+from shapewise.ir.symbolic import evaluate, range_text
+
+__all__ = ["RENDERERS", "Binding", "Piece", "Program", "ShapeInfo", "SymbolSource", "TensorMeta", "Variant"]
+
+#: (class name, "text" | "html" | "png") -> renderer. Registered by ``ir.printer`` and
+#: ``shapewise.display``.
+RENDERERS: dict[tuple[str, str], Callable[[Any], Any]] = {}
+
+
+def _render(obj: Any, kind: str) -> Any:
+    fn = RENDERERS.get((type(obj).__name__, kind))
+    return fn(obj) if fn is not None else None
 
 
 @dataclass(frozen=True)
@@ -47,6 +65,11 @@ class TensorMeta:
     device: Any
     requires_grad: bool = False
 
+    def at(self, values: Mapping[sympy.Symbol, int]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """(shape, stride, storage offset) as ints at the sizes ``values``."""
+        return (tuple(evaluate(e, values) for e in self.shape), tuple(evaluate(e, values) for e in self.stride),
+                evaluate(self.offset, values))
+
 
 @dataclass(frozen=True)
 class ShapeInfo:
@@ -73,14 +96,10 @@ class ShapeInfo:
         return self.names.get(s, str(s))
 
     def __str__(self) -> str:
-        from shapewise.passes.printer import format_shapes
+        return _render(self, "text") or repr(self)
 
-        return format_shapes(self)
-
-    def _repr_html_(self) -> str:
-        from shapewise.passes.display import shapes_html
-
-        return shapes_html(self)
+    def _repr_html_(self) -> str | None:
+        return _render(self, "html")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))
@@ -118,6 +137,11 @@ class Binding:
     def bounds(self) -> tuple[tuple[int, int], ...]:
         return tuple((v, v) if isinstance(v, int) else v for _, v in self.items)
 
+    def corners(self) -> list[dict[sympy.Symbol, int]]:
+        """The corners of the binding's box (every range at either end); one point if static."""
+        ends = [[v] if isinstance(v, int) else sorted({v[0], v[1]}) for _, v in self.items]
+        return [dict(zip([s for s, _ in self.items], combo)) for combo in itertools.product(*ends)]
+
     def describe(self, names: Mapping[sympy.Symbol, str] | None = None) -> str:
         """``{n=8}``; dims that share a name and a value print once (``{batch=2, seq=8}`` for
         input_ids' and attention_mask's batch); a name whose symbols differ is told apart by the
@@ -129,7 +153,7 @@ class Binding:
             values.setdefault(name, set()).add(v)
         parts, done = [], set()
         for (s, v), name in zip(self.items, shown):
-            val = str(v) if isinstance(v, int) else f"{v[0]}..{v[1] if v[1] < 2**63 - 1 else 'inf'}"
+            val = str(v) if isinstance(v, int) else range_text(v[0], v[1], "..", "")
             if len(values[name]) == 1:
                 if name not in done:
                     parts.append(f"{name}={val}")
@@ -176,6 +200,12 @@ class Program:
     ``gm``: the whole traced graph; ``graph``: the stitching graph (calls ``piece_i``
     submodules in order); ``pieces``; ``shapes``: the whole graph's ``ShapeInfo``;
     ``bindings``: the variants to build; ``dispatch``: the table, once built.
+
+    Set by the caller: ``symbol_names`` ({symbol or its name: dim name}, read by AnalyzeShapes),
+    ``on_miss`` (overrides BuildDispatch's), ``inputs_guarded_by`` ("dynamo" when Dynamo's guards
+    check the inputs, so the dispatch adds none). Set by the stages: ``split_plan`` and
+    ``splitting_ops`` (Split), ``lowering`` (the Lower pass, a frozen spec, whose variants these
+    are: the dispatch compiles lazy and background variants with it), ``cudagraph_keys``.
     """
 
     gm: torch.fx.GraphModule
@@ -185,13 +215,24 @@ class Program:
     bindings: tuple[Binding, ...] | None = None
     dispatch: Any = None
     lowering: Any = None
-    attrs: Mapping[str, Any] = field(default_factory=dict)
+    symbol_names: Mapping[Any, str] = field(default_factory=dict)
+    on_miss: str | None = None
+    inputs_guarded_by: str | None = None
+    split_plan: Any = None
+    splitting_ops: tuple[Any, ...] = ()
+    cudagraph_keys: tuple[tuple, ...] = ()
 
     def replace(self, **changes: Any) -> Program:
         return dataclasses.replace(self, **changes)
 
-    def with_attrs(self, **attrs: Any) -> Program:
-        return self.replace(attrs={**self.attrs, **attrs})
+    def callables(self, binding: Binding | None) -> dict[str, Callable[..., Any]]:
+        """{piece name: what runs it at ``binding``}: the compiled variant, or the piece's own
+        ``forward`` (splitting pieces, uncompiled variants, and every piece when ``binding`` is None)."""
+        out = {}
+        for p in self.pieces:
+            v = None if p.is_splitting or binding is None else p.variant_for(binding)
+            out[p.name] = v.compiled if v is not None and v.compiled is not None else p.gm.forward
+        return out
 
     @property
     def is_split(self) -> bool:
@@ -202,19 +243,13 @@ class Program:
         return tuple(p for p in self.pieces if not p.is_splitting)
 
     def __str__(self) -> str:
-        from shapewise.passes.printer import format_program
+        return _render(self, "text") or repr(self)
 
-        return format_program(self)
-
-    def _repr_html_(self) -> str:
-        from shapewise.passes.display import program_html
-
-        return program_html(self)
+    def _repr_html_(self) -> str | None:
+        return _render(self, "html")
 
     def _repr_png_(self) -> bytes | None:
-        from shapewise.passes.display import program_png
-
-        return program_png(self)
+        return _render(self, "png")
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(str(self))

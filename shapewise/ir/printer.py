@@ -8,7 +8,8 @@ import re
 import torch
 import torch.fx
 
-from shapewise.passes.program import Piece, Program, ShapeInfo, TensorMeta, Variant
+from shapewise.ir.program import RENDERERS, Piece, Program, ShapeInfo, TensorMeta, Variant
+from shapewise.ir.symbolic import evaluate
 
 __all__ = ["format_graph", "format_program", "format_shapes"]
 
@@ -55,7 +56,6 @@ def _layout_note(piece: Piece, variant: Variant) -> str:
     layout at that size, see ``concretize.observed_inputs``)."""
     if piece.shapes is None or not variant.binding.is_static:
         return ""
-    from shapewise.concretize.analyze import evaluate
 
     values = variant.binding.static_values()
     notes = []
@@ -95,3 +95,7 @@ def format_program(program: Program) -> str:
     if program.dispatch is not None:
         out.append("# dispatch\n" + "\n".join(f"{r['kind']:5} {r['key']}" for r in program.dispatch.rows()))
     return "\n".join(out)
+
+
+RENDERERS[("Program", "text")] = format_program
+RENDERERS[("ShapeInfo", "text")] = format_shapes

@@ -1,7 +1,7 @@
 """Lower: compile every variant of every compute piece with a backend.
 
-Pieces with the same content (see ``shapewise.graph_key``) compile once per binding and share
-the artifact; Inductor artifacts go through the on-disk cache (``shapewise.cache``). Variants
+Pieces with the same content (see ``shapewise.ir.keys``) compile once per binding and share
+the artifact; Inductor artifacts go through the on-disk cache (``shapewise.lower.cache``). Variants
 compile up front (``compile="eager_all"``), on first use (``"lazy"``) or in a background thread
 (``"background"``); the last two are run by the dispatch table (``BuildDispatch``).
 """
@@ -25,10 +25,12 @@ import torch
 import torch.fx
 
 from shapewise import _compat
-from shapewise.cache import ArtifactCache, resolve_cache
 from shapewise.errors import CompileError, ConfigError
+from shapewise.ir.keys import binding_key, graph_key
+from shapewise.ir.program import Binding, Piece, Program, TensorMeta, Variant
+from shapewise.lower.cache import ArtifactCache, resolve_cache
 from shapewise.passes.base import Pass, register_pass
-from shapewise.passes.program import Binding, Piece, Program, Variant
+from shapewise.version import __version__
 
 __all__ = ["BACKENDS", "COMPILE_MODES", "CompileSession", "Lower", "lower_variant", "summary_line"]
 
@@ -191,8 +193,6 @@ class CompileSession:
     # -- keys ------------------------------------------------------------------------------
     def graph_key(self, piece: Piece):
         """The piece's ``GraphKey`` (memoised per graph), or None if it cannot be keyed."""
-        from shapewise.graph_key import graph_key
-
         with self._lock:
             k = id(piece.gm)
             if k not in self._graph_keys:
@@ -200,9 +200,6 @@ class CompileSession:
             return self._graph_keys[k][1]
 
     def _build_part(self, piece: Piece) -> str:
-        from shapewise import __version__
-        from shapewise.passes.program import TensorMeta
-
         devices = frozenset(str(m.device) for m in (piece.shapes.inputs if piece.shapes else ())
                             if isinstance(m, TensorMeta))
         with self._lock:
@@ -215,8 +212,6 @@ class CompileSession:
 
     def variant_key(self, piece: Piece, variant: Variant) -> tuple[str | None, bool]:
         """(content key of this compile or None, whether it may be stored on disk)."""
-        from shapewise.graph_key import binding_key
-
         gk = self.graph_key(piece)
         if gk is None:
             return None, False
@@ -401,13 +396,8 @@ class Lower(Pass):
         extra = self.static_options if binding.is_static else self.range_options
         return {**dict(self.options), **dict(extra)}
 
-    def requires(self, program: Program) -> Sequence[Pass]:
-        from shapewise.concretize.concretize import Concretize, _need_split_and_shapes
-
-        needs = _need_split_and_shapes(program)
-        if program.bindings is None:
-            needs.append(Concretize())
-        return needs
+    def requires(self, program: Program) -> Sequence[Pass | str]:
+        return [] if program.bindings is not None else ["concretize"]
 
     def session(self) -> CompileSession:
         """A fresh compile session (dedupe memo, cache, counters) for this pass's options."""
@@ -418,14 +408,13 @@ class Lower(Pass):
         return (session or self.session()).compile(piece, variant)
 
     def apply(self, program: Program) -> Program:
-        session = self.session()
-        if self.deferred:
+        if self.deferred:  # compiled by the dispatch, in a session of its own (see BuildDispatch)
             pieces = tuple(p if p.is_splitting else dataclasses.replace(
                 p, variants=tuple(dataclasses.replace(v, compiled=None, report=self._pending_row(p, v))
                                   for v in p.variants)) for p in program.pieces)
         else:
-            pieces = session.compile_all(program.pieces)
-        return program.replace(pieces=pieces, lowering=self).with_attrs(compile_session=session)
+            pieces = self.session().compile_all(program.pieces)
+        return program.replace(pieces=pieces, lowering=self)
 
     def _pending_row(self, piece: Piece, variant: Variant) -> dict[str, Any]:
         return {"piece": piece.name, "key": variant.binding.describe(piece.shapes.names if piece.shapes else {}),

@@ -25,9 +25,10 @@ import torch
 import torch.fx
 
 from shapewise._compat import FakeTensor
-from shapewise.passes.program import Binding, ShapeInfo, TensorMeta
+from shapewise.ir.program import Binding, ShapeInfo, TensorMeta
+from shapewise.ir.symbolic import range_hint
 
-__all__ = ["GraphKey", "NotKeyable", "binding_key", "graph_key", "range_hint"]
+__all__ = ["GraphKey", "NotKeyable", "binding_key", "graph_key"]
 
 
 class NotKeyable(Exception):
@@ -183,13 +184,6 @@ def graph_key(gm: torch.fx.GraphModule, shapes: ShapeInfo | None) -> GraphKey | 
         return None
     text = "\n".join(lines)
     return GraphKey(hashlib.sha256(text.encode()).hexdigest(), tuple(norm.symbols), text)
-
-
-def range_hint(lo: int, hi: int, traced: int | None) -> int:
-    """The value a range variant is traced at (the traced size if inside, else a middle)."""
-    from shapewise.concretize.concretize import _range_hint
-
-    return _range_hint(lo, hi, traced)
 
 
 def binding_key(key: GraphKey, shapes: ShapeInfo | None, binding: Binding,

@@ -1,110 +1,26 @@
-"""Rich display: HTML tables and pictures for Jupyter, plain tables for a terminal.
+"""Rich display for Jupyter: ``Program`` and ``ShapeInfo`` as HTML tables with the split picture.
 
-``Program``, ``ShapeInfo``, ``DispatchTable`` and ``Report`` call into here from their
-``_repr_html_`` / ``_repr_png_`` / ``__str__``; the graph text itself always comes from the
-canonical printer (``passes.printer``).
+This module registers its renderers in ``shapewise.ir.RENDERERS`` when imported (``import
+shapewise`` does), so the IR never imports it; the graph text itself always comes from the
+canonical printer (``shapewise.ir.printer``).
 """
 
 from __future__ import annotations
 
 import base64
 import html
-from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from shapewise.passes.printer import format_graph, format_program
-from shapewise.passes.program import Program, ShapeInfo, TensorMeta
+from shapewise.graph_split.draw import op_count, split_png
+from shapewise.ir.printer import format_graph, format_program
+from shapewise.ir.program import RENDERERS, Program, ShapeInfo, TensorMeta
+from shapewise.ir.report import html_table
 
-__all__ = [
-    "REPORT_COLUMNS",
-    "Report",
-    "html_table",
-    "piece_rows",
-    "program_html",
-    "program_png",
-    "shapes_html",
-    "symbol_rows",
-    "table_html",
-    "table_text",
-    "text_table",
-]
-
-REPORT_COLUMNS = ("piece", "key", "static", "seconds", "source", "backend")
-
-
-def _cell(value: Any, width: int = 0) -> str:
-    """A value as one table cell: floats to 3 digits; text to its first line, cut to ``width``
-    (the whole value stays in the row dict)."""
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    text = str(value)
-    if not width:
-        return text
-    lines = text.strip().splitlines()
-    first = lines[0] if lines else ""
-    if len(first) > width or len(lines) > 1:
-        return first[: width - 3] + "..."
-    return first
-
-
-def _columns(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None) -> list[str]:
-    cols = list(columns or ())
-    for r in rows:
-        for k in r:
-            if k not in cols:
-                cols.append(k)
-    return cols
-
-
-def text_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None) -> str:
-    """Rows as an aligned plain-text table; ``columns`` first, then any other keys in order."""
-    cols = _columns(rows, columns)
-    if not cols:
-        return "(empty)"
-    cells = [[_cell(r.get(c, ""), 100) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip(),
-             "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
-    return "\n".join(lines)
-
-
-def html_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None,
-               caption: str | None = None) -> str:
-    """Rows as an HTML table (values escaped)."""
-    cols = _columns(rows, columns)
-    out = ['<table class="shapewise">']
-    if caption:
-        out.append(f"<caption style='text-align:left'><b>{html.escape(caption)}</b></caption>")
-    out.append("<thead><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in cols) + "</tr></thead><tbody>")
-    for r in rows:
-        out.append("<tr>" + "".join(f"<td style='text-align:left'>{html.escape(_cell(r.get(c, '')))}</td>"
-                                    for c in cols) + "</tr>")
-    out.append("</tbody></table>")
-    return "".join(out)
-
+__all__ = ["piece_rows", "program_html", "program_png", "shapes_html", "symbol_rows"]
 
 def _pre(text: str, summary: str | None = None) -> str:
     block = f"<pre style='font-size:85%'>{html.escape(text)}</pre>"
     return f"<details><summary>{html.escape(summary)}</summary>{block}</details>" if summary else block
-
-
-class Report(list):
-    """A list of row dicts (one per compiled variant, or per check) that shows as a table:
-    ``print(report)`` in a terminal, an HTML table in Jupyter."""
-
-    def __init__(self, rows: Iterable[Mapping[str, Any]] = (), columns: Sequence[str] | None = REPORT_COLUMNS):
-        super().__init__(rows)
-        self.columns = tuple(columns or ())
-
-    def __str__(self) -> str:
-        return text_table(self, self.columns)
-
-    def _repr_html_(self) -> str:
-        return html_table(self, self.columns, caption=f"{len(self)} rows")
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
 
 
 # -- shapes ------------------------------------------------------------------------------------
@@ -139,24 +55,6 @@ def shapes_html(shapes: ShapeInfo) -> str:
     return "<div>" + "".join(parts) + "</div>"
 
 
-# -- dispatch table ----------------------------------------------------------------------------
-
-def _table_header(table: Any) -> str:
-    names = ", ".join(f"{s}" + (f" ({table.names[s]})" if s in table.names else "") + f" ← {src}"
-                      for s, src in zip(table.symbols, table.sources))
-    return (f"DispatchTable: {len(table.static_keys)} exact, {len(table.range_bindings)} ranges, "
-            f"on_miss={table.on_miss!r}; key = ({names})")
-
-
-def table_text(table: Any) -> str:
-    """A dispatch table as text: what the key reads, then one row per entry."""
-    return _table_header(table) + "\n" + text_table(table.rows(), ["kind", "key"])
-
-
-def table_html(table: Any) -> str:
-    return html_table(table.rows(), ["kind", "key"], caption=_table_header(table))
-
-
 # -- program -----------------------------------------------------------------------------------
 
 def program_png(program: Program) -> bytes | None:
@@ -164,16 +62,12 @@ def program_png(program: Program) -> bytes | None:
     if program.graph is None:
         return None
     try:
-        from shapewise.graph_split.draw import split_png
-
         return split_png(program)
     except ImportError:
         return None
 
 
 def piece_rows(program: Program) -> list[dict[str, Any]]:
-    from shapewise.graph_split.draw import op_count
-
     rows = []
     for p in program.pieces:
         names = p.shapes.names if p.shapes else {}
@@ -211,6 +105,10 @@ def program_html(program: Program, picture: bool = True) -> str:
         parts.append(html_table([{"binding": b.describe(names), "static": b.is_static} for b in program.bindings],
                                 caption="bindings"))
     if program.dispatch is not None:
-        parts.append(table_html(program.dispatch))
+        parts.append(program.dispatch._repr_html_())
     parts.append(_pre(format_program(program), "text (canonical printer)"))
     return "<div>" + "".join(parts) + "</div>"
+
+
+RENDERERS.update({("Program", "html"): program_html, ("Program", "png"): program_png,
+                  ("ShapeInfo", "html"): shapes_html})

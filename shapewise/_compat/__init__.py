@@ -1,0 +1,32 @@
+"""The torch adapter: every use of torch internals lives in this package, so a torch upgrade
+touches only it. ``shapes`` (fake tensors, ShapeEnvs, symbols, guards), ``dynamo`` (marks,
+sources, trace errors, locks), ``inductor`` (compiles, generated code, artifacts).
+
+Supported: torch >= 2.11 (GPU machine: 2.11.0; CPU machines: 2.13.0).
+"""
+
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PythonMod
+
+from shapewise._compat.dynamo import *  # noqa: F403 - one flat adapter namespace
+from shapewise._compat.dynamo import __all__ as _dynamo_all
+from shapewise._compat.inductor import *  # noqa: F403
+from shapewise._compat.inductor import __all__ as _inductor_all
+from shapewise._compat.shapes import *  # noqa: F403
+from shapewise._compat.shapes import TORCH_VERSION
+from shapewise._compat.shapes import __all__ as _shapes_all
+
+__all__ = [
+    "TORCH_VERSION",
+    "CeilDiv",
+    "FakeTensor",
+    "FakeTensorMode",
+    "FloorDiv",
+    "Max",
+    "Min",
+    "Mod",
+    "PythonMod",
+    *_shapes_all,
+    *_dynamo_all,
+    *_inductor_all,
+]

@@ -1,0 +1,179 @@
+"""Dynamo: marking dims dynamic, reading argument names from guard sources, telling trace
+errors apart, and the locks compiles share with it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = [
+    "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
+    "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic", "op_schema",
+    "own_recompile_budget", "placeholder_source", "scalars_passed_as_tensors", "storage_key", "unmark_dynamic",
+]
+
+
+@contextlib.contextmanager
+def own_recompile_budget(extra: int = 1024) -> Iterator[None]:
+    """Let this trace go past Dynamo's recompile limit for the code it traces. Each
+    ``shapewise.compile`` has its own backend, so Dynamo keeps one cache entry per compiled
+    model on the shared ``forward`` code of their class; the 9th model of a class would hit the
+    limit (8), which fullgraph=True makes an error. shapewise bounds its own traces per model."""
+    import torch._dynamo.config as dynamo_config
+
+    with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit + extra,
+                             accumulated_recompile_limit=dynamo_config.accumulated_recompile_limit + extra):
+        yield
+
+
+def placeholder_source(node: torch.fx.Node):
+    """The Dynamo ``Source`` a placeholder was lifted from (None outside Dynamo graphs)."""
+    grapharg = node.meta.get("grapharg")
+    return getattr(grapharg, "source", None) if grapharg is not None else None
+
+
+def scalars_passed_as_tensors(gm: torch.fx.GraphModule) -> list[str]:
+    """The Python floats Dynamo passed to ``gm`` as 0-d tensors (``torch.compile(dynamic=True)``
+    leaves floats unspecialised: a module's ``Dropout.p`` becomes an input read with ``.item()``),
+    by their source names."""
+    out = []
+    for node in gm.graph.nodes:
+        arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        if arg is not None and getattr(arg, "pass_arg_as_tensor", False):
+            name = getattr(arg.source, "name", node.name)  # a method in older torch, a property now
+            out.append(name() if callable(name) else str(name))
+    return out
+
+
+def local_name_of(source, positional: Sequence[str] = (), var_positional: str | None = None,
+                  var_keyword: str | None = None, keywords: Collection[str] = ()) -> str | None:
+    """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None. When Dynamo
+    traced a ``*args, **kwargs`` wrapper (as for torch's own modules, e.g. ``nn.Sequential``),
+    ``L['args'][i]`` is the ``positional[i]`` argument (past them: the model's ``*args``, named
+    ``var_positional``) and ``L['kwargs']['k']`` is ``k``; an element of a tuple/list argument
+    (``L['xs'][0]``) reads that argument. A model whose own ``*args`` / ``**kwargs`` are called
+    so is read as itself, except for ``L['kwargs']['k']`` with ``k`` one of its ``keywords``
+    (its named parameters: transformers wraps ``forward(self, input_ids, ..., **kwargs)`` in
+    decorators that take ``*args, **kwargs``, and Dynamo traces the wrapper)."""
+    from torch._dynamo.source import DictGetItemSource, GetItemSource, LocalSource
+
+    if isinstance(source, LocalSource):
+        return source.local_name
+    if isinstance(source, (GetItemSource, DictGetItemSource)):
+        base, index = source.base, source.index
+        if isinstance(base, LocalSource) and base.local_name == "args" and var_positional != "args":
+            return positional[index] if isinstance(index, int) and 0 <= index < len(positional) else var_positional
+        if isinstance(base, LocalSource) and base.local_name == "kwargs" and (
+                var_keyword != "kwargs" or index in keywords):
+            return index if isinstance(index, str) else None
+        # An element of a tuple/list argument (or of the model's own *args): that argument.
+        return local_name_of(base, positional, var_positional, var_keyword, keywords)
+    if getattr(source, "base", None) is not None:  # an attribute of an object argument (cache.layers[0].keys)
+        return local_name_of(source.base, positional, var_positional, var_keyword, keywords)
+    return None
+
+
+def dynamo_unique_graphs() -> int:
+    """Dynamo's own count of graphs it traced in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
+    if strict:
+        torch._dynamo.mark_dynamic(t, dim)
+    else:
+        torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+def has_static_address(t: torch.Tensor) -> bool:
+    """Whether ``t`` was marked as living at one address across calls
+    (``torch._dynamo.mark_static_address``: transformers' static KV cache)."""
+    return getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def unmark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Undo ``mark_dynamic`` for one dim (Dynamo keeps the marks as sets on the tensor)."""
+    for attr in ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices"):
+        marks = getattr(t, attr, None)
+        if isinstance(marks, set):
+            marks.discard(dim)
+
+
+def is_trace_error(e: BaseException) -> bool:
+    """Whether ``e`` was raised while Dynamo traced (it refused the code, a dim marked dynamic
+    was specialised, or the backend failed), not by running what it compiled."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    return isinstance(e, (TorchDynamoException, ConstraintViolationError))
+
+
+def is_graph_break(e: BaseException) -> bool:
+    """Whether ``e`` is Dynamo refusing to trace some code in one graph (fullgraph=True)."""
+    from torch._dynamo.exc import Unsupported
+
+    return isinstance(e, Unsupported)
+
+
+def backend_error_cause(e: BaseException) -> BaseException | None:
+    """The exception a Dynamo backend raised, if ``e`` is Dynamo's wrapper around one."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    if isinstance(e, BackendCompilerFailed):
+        return getattr(e, "inner_exception", None) or e.__cause__
+    return None
+
+
+
+
+def storage_key(t: torch.Tensor) -> Any:
+    """A hashable identity of ``t``'s storage (shared by all its views; fake tensors included)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def op_schema(target: Any):
+    """The schema of an OpOverload (or of an OpOverloadPacket's default overload), else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overload = getattr(target, "default", None)
+        return overload._schema if overload is not None else None
+    return None
+
+
+# -- the artifact cache (shapewise.lower.cache): saving, loading and fingerprinting Inductor artifacts --
+
+
+
+def compile_lock():
+    """Dynamo's process-wide compile lock: a background compile holds it so that it never
+    runs while Dynamo traces (both patch global config)."""
+    try:
+        from torch._dynamo.convert_frame import compile_lock as lock
+    except ImportError:  # pragma: no cover - older layouts
+        return contextlib.nullcontext()
+    return lock
+
+
+@contextlib.contextmanager
+def calls_during_fx_trace() -> Iterator[None]:
+    """Call a ``torch.compile``d model while another thread may be compiling: AOTAutograd's FX
+    tracing raises a process-wide flag, and a call that sees it fails with "using FX to
+    symbolically trace a dynamo-optimized function" unless this thread's Dynamo config says
+    ``force_compile_during_fx_trace`` (then the call runs its compiled code as usual). Dynamo's
+    config overrides are per thread, so the caller sets it. Absent in a torch: a no-op."""
+    import torch._dynamo.config as cfg
+
+    if not hasattr(cfg, "force_compile_during_fx_trace") or cfg.force_compile_during_fx_trace:
+        yield
+        return
+    with cfg.patch(force_compile_during_fx_trace=True):
+        yield

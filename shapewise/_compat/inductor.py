@@ -1,0 +1,266 @@
+"""Inductor and AOTAutograd: static and range compiles, their generated code, and the
+artifacts the on-disk cache stores (bytes, kernel binaries, build fingerprints)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+__all__ = [
+    "aot_eager", "artifact_bytes", "backward_source", "build_fingerprint", "compiled_backward",
+    "compiled_source", "eager_backward", "inductor_config_fingerprint", "install_kernel_binaries",
+    "kernel_binaries", "load_artifact", "standalone_compile",
+]
+
+
+def standalone_compile(gm: torch.fx.GraphModule, args: list[Any], *, static: bool,
+                       options: dict[str, Any] | None = None):
+    """Inductor compile of ``gm``: fully static from concrete ``args``, or symbolic from the
+    active tracing context (see ``fresh_tracing_context(fake_mode)``)."""
+    from torch._inductor import standalone_compile as _sc
+
+    mode = "from_example_inputs" if static else "from_tracing_context"
+    # standalone_compile forwards `options` to compile_fx as keyword arguments: Inductor
+    # config (max_autotune, ...) goes in as compile_fx's config_patches.
+    with eager_backward():
+        return _sc(gm, args, dynamic_shapes=mode, options={"config_patches": dict(options)} if options else {})
+
+
+@contextlib.contextmanager
+def eager_backward() -> Iterator[None]:
+    """Compile a training graph's backward together with its forward.
+
+    AOTAutograd otherwise lowers a static backward lazily, on the first ``backward()``: outside
+    Lower (its time, errors and fallback), and after the compile's tracing context is gone.
+    """
+    from torch._functorch import config as functorch_config
+
+    if not hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
+def compiled_source(fn: Any) -> str | None:
+    """The Python wrapper code Inductor generated for a compiled artifact (forward and, for
+    training graphs, backward, joined), found by walking the artifact's wrappers."""
+    found: list[str] = []
+    seen: set[int] = set()
+    todo = [(fn, 0)]
+    while todo:
+        obj, depth = todo.pop(0)
+        if obj is None or id(obj) in seen or depth > 8:
+            continue
+        seen.add(id(obj))
+        src = getattr(obj, "source_code", None)
+        if isinstance(src, str) and src not in found:
+            found.append(src)
+        # Training artifacts: a bound ``CompiledFunction.apply`` (``__self__`` holds compiled_fw /
+        # compiled_bw); the backward sits behind a dynamo-disable wrapper.
+        for attr in ("_compiled_fn", "compiled_fn", "fn", "__wrapped__", "__self__", "_torchdynamo_orig_callable",
+                     "compiled_fw", "compiled_bw"):
+            try:
+                todo.append((getattr(obj, attr, None), depth + 1))
+            except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
+                continue
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                todo.append((cell.cell_contents, depth + 1))
+            except ValueError:
+                continue
+    return "\n".join(found) if found else None
+
+
+def compiled_backward(fn: Any) -> Any:
+    """The compiled backward of a training artifact (AOTAutograd's ``compiled_bw``), or None:
+    an inference artifact, or a backward not compiled yet (see ``eager_backward``)."""
+    seen: set[int] = set()
+    todo = [(fn, 0)]
+    while todo:
+        obj, depth = todo.pop(0)
+        if obj is None or id(obj) in seen or depth > 8:
+            continue
+        seen.add(id(obj))
+        try:
+            bw = getattr(obj, "compiled_bw", None)
+            if bw is not None:
+                return bw
+            todo.extend((getattr(obj, a, None), depth + 1) for a in ("_compiled_fn", "compiled_fn", "fn",
+                                                                     "__wrapped__", "__self__"))
+        except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
+            continue
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                todo.append((cell.cell_contents, depth + 1))
+            except ValueError:
+                continue
+    return None
+
+
+def backward_source(fn: Any) -> str | None:
+    """The code Inductor generated for a training artifact's backward (None if there is none)."""
+    bw = compiled_backward(fn)
+    return compiled_source(bw) if bw is not None else None
+
+
+def aot_eager(gm: torch.fx.GraphModule, args: list[Any]):
+    from torch._dynamo.backends.debugging import aot_eager as _aot_eager
+
+    with eager_backward():
+        return _aot_eager(gm, args)
+
+
+def build_fingerprint(devices: Sequence[Any] = ()) -> dict[str, str]:
+    """What an artifact compiled here depends on besides its graph: torch version and build,
+    Python, CPU vector ISA, CUDA / Triton versions and the GPU of each CUDA ``device`` used."""
+    import platform
+    import sys
+
+    out = {
+        "torch": torch.__version__,
+        "torch_git": str(getattr(torch.version, "git_version", "")),
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "machine": platform.machine(),
+        "cpu_isa": str(torch.backends.cpu.get_cpu_capability()),
+        "cuda": str(torch.version.cuda),
+        "hip": str(getattr(torch.version, "hip", None)),
+    }
+    try:
+        import triton
+
+        out["triton"] = str(triton.__version__)
+    except ImportError:
+        out["triton"] = "none"
+    for d in sorted({str(torch.device(d)) for d in devices if torch.device(d).type == "cuda"}):
+        props = torch.cuda.get_device_properties(torch.device(d))
+        out[f"gpu:{d}"] = f"{props.name}|sm{props.major}{props.minor}"
+    return out
+
+
+def inductor_config_fingerprint() -> str:
+    """A hash of Inductor's global config (the part its own cache keys on), so a changed
+    global setting never serves an artifact compiled under another."""
+    import hashlib
+
+    from torch._inductor import config as inductor_config
+
+    portable = inductor_config.save_config_portable()
+    return hashlib.sha256(repr(sorted(portable.items())).encode()).hexdigest()
+
+
+def artifact_bytes(artifact: Any, tmpdir: str) -> bytes:
+    """A ``standalone_compile`` artifact in Inductor's own binary format (``CompiledArtifact.save``).
+    Raises when the artifact cannot be saved (e.g. Inductor's caches are disabled)."""
+    import os
+    import tempfile
+
+    save = getattr(artifact, "save", None)
+    if save is None:
+        raise TypeError(f"{type(artifact).__name__} is not an Inductor CompiledArtifact")
+    fd, path = tempfile.mkstemp(prefix=".save-", suffix=".bin", dir=tmpdir)
+    os.close(fd)
+    try:
+        save(path=path, format="binary")  # torch 2.11: plain write; 2.13: write_atomic; both to `path`
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def load_artifact(data: bytes, tmpdir: str) -> Any:
+    """Load bytes written by ``artifact_bytes`` (``CompiledArtifact.load``, which checks the
+    torch build); returns the callable artifact."""
+    import os
+    import tempfile
+
+    from torch._inductor.standalone_compile import CompiledArtifact
+
+    fd, path = tempfile.mkstemp(prefix=".load-", suffix=".bin", dir=tmpdir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return CompiledArtifact.load(path=path, format="binary")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def kernel_binaries(artifact: Any) -> list[tuple[str, bytes]]:
+    """The compiled C++ kernel libraries (CPU) an artifact calls, as (path relative to
+    Inductor's cache dir, bytes). Inductor's artifact holds their source only, so a load in a
+    fresh cache would run the C++ compiler again; Triton kernels (GPU) are bundled by Inductor."""
+    import os
+    import types
+
+    root = _inductor_cache_dir()
+    found: dict[str, bytes] = {}
+    seen: set[int] = set()
+    todo = [(artifact, 0)]
+    while todo:
+        obj, depth = todo.pop(0)
+        if obj is None or id(obj) in seen or depth > 10:
+            continue
+        seen.add(id(obj))
+        for value in (getattr(obj, "__globals__", None) or {}).values():
+            mod = getattr(value, "__self__", None)
+            path = getattr(mod, "__file__", None) if isinstance(mod, types.ModuleType) else None
+            if path and path.endswith(".so") and os.path.commonpath([root, os.path.abspath(path)]) == root:
+                rel = os.path.relpath(path, root)
+                if rel not in found and os.path.isfile(path):
+                    with open(path, "rb") as f:
+                        found[rel] = f.read()
+        for attr in ("_compiled_fn", "compiled_fn", "fn", "__wrapped__", "__self__", "_torchdynamo_orig_callable",
+                     "compiled_fw", "compiled_bw", "current_callable"):
+            try:
+                todo.append((getattr(obj, attr, None), depth + 1))
+            except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
+                continue
+        if isinstance(obj, (list, tuple)):
+            todo.extend((o, depth + 1) for o in obj)
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                todo.append((cell.cell_contents, depth + 1))
+            except ValueError:
+                continue
+    return sorted(found.items())
+
+
+def install_kernel_binaries(files: Sequence[tuple[str, bytes]]) -> int:
+    """Put kernel libraries saved by ``kernel_binaries`` where Inductor looks for them (it
+    compiles only when the library is missing). Returns how many were written."""
+    import os
+    import tempfile
+
+    root = _inductor_cache_dir()
+    written = 0
+    for rel, data in files:
+        parts = rel.replace("\\", "/").split("/")
+        if os.path.isabs(rel) or ".." in parts or not rel.endswith(".so"):
+            raise ValueError(f"refusing kernel path {rel!r} outside Inductor's cache")
+        path = os.path.join(root, *parts)
+        if os.path.exists(path):
+            continue
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".shapewise-", dir=os.path.dirname(path))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, path)
+            written += 1
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return written

@@ -1,0 +1,8 @@
+"""Lower: compile every variant with a backend (Inductor, aot_eager, eager or a callable),
+dedupe identical pieces by content key, and keep Inductor artifacts in the on-disk cache."""
+
+from shapewise.lower.cache import ArtifactCache, resolve_cache
+from shapewise.lower.lower import BACKENDS, COMPILE_MODES, CompileSession, Lower, lower_variant, summary_line
+
+__all__ = ["BACKENDS", "COMPILE_MODES", "ArtifactCache", "CompileSession", "Lower", "lower_variant", "resolve_cache",
+           "summary_line"]
