@@ -16,8 +16,7 @@ import sympy
 import torch
 
 from shapewise import _compat
-from shapewise.concretize import Concretize
-from shapewise.concretize.concretize import check_sizes, make_bindings, refusal
+from shapewise.concretize import Concretize, check_sizes, make_bindings, refusal
 from shapewise.dispatch.cudagraphs import CudaGraphs
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError

@@ -24,8 +24,8 @@ import torch
 import torch.fx
 
 from shapewise._compat import compiled_source, storage_length
+from shapewise.concretize import make_bindings
 from shapewise.concretize.analyze import analyze_graph
-from shapewise.concretize.concretize import make_bindings
 from shapewise.dispatch.runnable import Runnable
 from shapewise.errors import ShapewiseError
 from shapewise.graph_split.draw import draw_split, split_dot

@@ -43,10 +43,23 @@ def execute(path: Path, timeout: int = 600) -> nbformat.NotebookNode:
 
 
 def output_text(nb: nbformat.NotebookNode) -> str:
-    """Everything the code cells printed or displayed (text, HTML, and the mime types shown)."""
-    parts = []
+    """Everything the code cells printed or displayed (text, HTML, and the mime types shown).
+
+    A cell's stdout can reach the notebook as several stream outputs, cut wherever the kernel
+    flushed (under load, between ``print``'s arguments: "GuardViolation:" | " range ..."): the
+    consecutive pieces of one stream are joined as printed, not with newlines."""
+    parts: list[str] = []
     for cell in nb.cells:
+        stream = None
         for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                if stream == out.get("name") and parts:
+                    parts[-1] += out.get("text", "")
+                else:
+                    parts.append(out.get("text", ""))
+                stream = out.get("name")
+                continue
+            stream = None
             parts.append(out.get("text", ""))
             for mime, data in out.get("data", {}).items():
                 parts.append(mime)

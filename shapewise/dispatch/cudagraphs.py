@@ -30,7 +30,7 @@ import torch.fx
 
 from shapewise import _compat
 from shapewise._compat import evaluate_at, node_value
-from shapewise.concretize.concretize import resolve_names
+from shapewise.concretize import resolve_names
 from shapewise.errors import ConfigError
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
-from shapewise.concretize.concretize import attach_variants, make_bindings
+from shapewise.concretize import attach_variants, make_bindings
 from shapewise.dispatch.guards import InputGuards
 from shapewise.dispatch.table import DispatchTable
 from shapewise.errors import CompileError

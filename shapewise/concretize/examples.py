@@ -1,0 +1,99 @@
+"""Example arguments of a variant: fake tensors with a binding's shape, stride, offset and
+storage (static), or symbolic ones in a fresh ShapeEnv bounded by a range."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from shapewise import _compat
+from shapewise._compat import FakeTensorMode, storage_length
+from shapewise.errors import BindingError
+from shapewise.ir.program import Binding, Piece, TensorMeta
+from shapewise.ir.symbolic import INT_MAX, evaluate, range_hint
+
+__all__ = ['example_args']
+
+def _materialise(piece: Piece, mode: FakeTensorMode, exprs: Mapping[sympy.Symbol, Any],
+                 values: Mapping[sympy.Symbol, int], symbolic: bool,
+                 observed: Sequence[Any] | None = None) -> tuple[Any, ...]:
+    """Fake inputs for ``piece`` with every symbol replaced by ``exprs`` (ints or new symbols).
+    ``observed``: per input, a tensor whose concrete stride and offset replace the traced ones
+    (what eager makes at this size, see ``observed_inputs``)."""
+    out: list[Any] = []
+
+    def conv(e: Any) -> Any:
+        if symbolic:
+            return _compat.make_symint(mode, sympy.sympify(e).xreplace(exprs), evaluate(e, values))
+        return evaluate(e, values)
+
+    for i, (name, meta) in enumerate(zip(piece.shapes.input_names, piece.shapes.inputs)):
+        try:
+            if isinstance(meta, TensorMeta):
+                shape = [conv(e) for e in meta.shape]
+                stride = [conv(e) for e in meta.stride]
+                offset = conv(meta.offset)
+                seen = observed[i] if observed is not None and i < len(observed) else None
+                if not symbolic and isinstance(seen, torch.Tensor) and list(seen.shape) == shape \
+                        and seen.dtype == meta.dtype:
+                    stride, offset = list(seen.stride()), seen.storage_offset()
+                elif symbolic and isinstance(seen, tuple) and len(seen[0]) == len(meta.stride):
+                    stride, offset = [conv(e) for e in seen[0]], conv(seen[1])  # exprs over the trace's symbols
+                with mode:
+                    if symbolic and offset == 0:
+                        t = torch.empty_strided(shape, stride, dtype=meta.dtype, device=meta.device)
+                    else:
+                        length = storage_length(shape, stride, offset) if not symbolic else \
+                            _compat.compute_required_storage_length(shape, stride, offset)
+                        t = torch.empty(length, dtype=meta.dtype, device=meta.device).as_strided(shape, stride, offset)
+                    if meta.requires_grad:
+                        t.requires_grad_(True)
+                out.append(t)
+            elif isinstance(meta, sympy.Basic):
+                out.append(conv(meta))
+            else:
+                out.append(meta)
+        except KeyError as e:
+            raise BindingError(
+                f"piece {piece.name} input {name!r}: {e.args[0]}; a variant needs every size to "
+                "follow from the dispatch symbols (data-dependent sizes cannot be specialised)"
+            ) from None
+    return tuple(out)
+
+
+def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = None,
+                 observed: Sequence[Any] | None = None) -> tuple[Any, ...]:
+    """Example inputs for compiling ``piece`` under ``binding``.
+
+    Static: fake tensors with concrete shape/stride/offset on exactly the storage they need;
+    strides and offsets from ``observed`` where given (see ``observed_inputs``). Ranges:
+    ``observed`` gives (strides, offset) as expressions over the trace's symbols.
+    Ranges: fake tensors over a fresh ShapeEnv whose symbols carry the range as bounds (so a
+    compile can neither add guards to the trace nor assume the traced size).
+    """
+    bound = dict(binding.items)
+    # Symbols of the piece that no binding can fix (data-dependent sizes, e.g. unbacked u0):
+    # those stay symbolic, so such a piece compiles with symbolic args even for one size.
+    free = [s for s in piece.shapes.symbols if s not in bound]
+    if binding.is_static and not free:
+        values = binding.static_values()
+        return _materialise(piece, mode or FakeTensorMode(), values, values, symbolic=False, observed=observed)
+    mode, new, exprs, values = _range_env(binding, piece.shapes.hints, free)
+    return _materialise(piece, mode, exprs, values, symbolic=True, observed=observed)
+
+
+def _range_env(binding: Binding, hints: Mapping[sympy.Symbol, int], free: Sequence[sympy.Symbol] = ()):
+    """A fresh ShapeEnv for ``binding``: one new symbol per ranged (or ``free``) symbol, bounded
+    by its range and hinted at ``_range_hint``. Returns (mode, {old: new symbol}, {old: new
+    symbol or Integer}, {old: hint or value})."""
+    ranged = {s: (v[0], v[1], range_hint(v[0], v[1], hints.get(s))) for s, v in binding.items
+              if not isinstance(v, int)}
+    ranged.update({s: (0, INT_MAX, range_hint(0, INT_MAX, hints.get(s))) for s in free})
+    mode, new = _compat.symbolic_env(ranged)
+    static = binding.static_values()
+    exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}
+    values = {**static, **{s: h for s, (_, _, h) in ranged.items()}}
+    return mode, new, exprs, values
