@@ -27,8 +27,10 @@ test: install
 fuzz: install
 	$(BIN)/python -m pytest -q -m fuzz
 
+# ruff, and the layer contracts of pyproject.toml (import-linter; lazy imports count).
 lint: install
 	$(BIN)/ruff check shapewise tests benchmarks examples
+	$(BIN)/lint-imports
 
 # On the GPU machine (torch preinstalled, no network): run the checkout in place.
 gpu-test:

@@ -36,7 +36,7 @@ __all__ = [
 def __getattr__(name: str):
     # Lazy: the backend imports Dynamo, the planner numpy; neither is needed for the passes.
     if name == "compile":
-        from shapewise.backend import compile
+        from shapewise.module import compile
 
         return compile
     if name == "compile_generate":

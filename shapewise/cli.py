@@ -9,7 +9,7 @@ __all__ = ["main"]
 
 COMMANDS = {
     "demo": ("shapewise.demo", "run the built-in toy transformer through the pipeline (CPU)"),
-    "plan": ("shapewise.planner", "choose bucket sizes from observed sizes"),
+    "plan": ("shapewise.plan_cli", "choose bucket sizes from observed sizes"),
     "inspect": ("shapewise.inspect_cli", "run a model with every instrument on; write a dump folder"),
 }
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from shapewise.backend import ShapewiseModule
 from shapewise.errors import ConfigError
+from shapewise.module import ShapewiseModule
 
 __all__ = ["compile_generate"]
 

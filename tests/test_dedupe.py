@@ -15,8 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import shapewise as sw
 from shapewise.concretize.analyze import analyze_graph
 from shapewise.ir.keys import binding_key, graph_key
-from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
 from shapewise.ir.program import Binding
+from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
 from tests.conftest import assert_same
 
 

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shapewise.planner import Plan, main, plan_sizes
+from shapewise.plan_cli import main
+from shapewise.planner import Plan, plan_sizes
 
 # --------------------------------------------------------------------- helpers
 

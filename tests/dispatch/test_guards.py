@@ -12,8 +12,8 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import shapewise as sw
-from shapewise.ir import evaluate
 from shapewise.dispatch.guards import mutated_inputs, python_expr
+from shapewise.ir import evaluate
 from tests.concretize.test_properties import SYMS, _exprs, to_sympy
 from tests.conftest import assert_same
 from tests.helpers import dynamo_graph, graph_args, symbolic_graph

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import shapewise as sw
-from shapewise.ir.runner import make_runner
 from shapewise.graph_split import plan_split, resolve_ops
+from shapewise.ir.runner import make_runner
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, ToyTransformer
 from tests.conftest import assert_same
 from tests.helpers import dynamo_graph, symbolic_graph

@@ -12,10 +12,10 @@ import sympy
 import torch
 
 import shapewise as sw
-from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
-from shapewise.ir import Report, format_graph, format_program, format_shapes
 from shapewise.instruments import Dump, Verify, max_error, random_inputs
+from shapewise.ir import Report, format_graph, format_program, format_shapes
 from shapewise.ir.program import ShapeInfo, TensorMeta
+from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
 from tests.graph_split.test_draw import is_png
 from tests.helpers import dynamo_graph
 

@@ -1,0 +1,399 @@
+"""``shapewise.compile``: the model wrapper that marks the dims, runs Dynamo with the
+"shapewise" backend, and traces again only where the model's own Python branches on a size
+(see the README's trace rule). ``ShapewiseModule`` is what it returns."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from shapewise import _compat
+from shapewise.backend import _PIPELINE_KEYS, DEFAULT_DIM_NAME, _op_list, build_pipeline, shapewise_backend
+from shapewise.concretize import check_sizes, make_bindings, refusal
+from shapewise.dispatch.runnable import CompileReport, Runnable
+from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
+from shapewise.ir.program import Program, ShapeInfo
+
+__all__ = ["NoDynamicSizes", "ShapewiseModule", "compile"]
+
+log = logging.getLogger("shapewise")
+
+
+def _tensors_of(value: Any, deep: bool = False) -> list[torch.Tensor]:
+    """A tensor argument, or the tensors of a tuple/list argument (one level). ``deep``: also
+    the tensors held by an object argument, through its attributes, lists and dicts (a
+    transformers ``DynamicCache``: ``cache.layers[i].keys`` / ``.values``), in attribute order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and not deep:
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    if not deep:
+        return []
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(v: Any, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+            return
+        if depth > 4 or id(v) in seen or v is None or isinstance(v, (bool, int, float, str, torch.device,
+                                                                      torch.dtype, torch.nn.Module)):
+            return
+        seen.add(id(v))
+        if isinstance(v, (tuple, list)):
+            items = list(v)
+        elif isinstance(v, Mapping):
+            items = list(v.values())
+        else:
+            items = list(getattr(v, "__dict__", {}).values())
+        for item in items:
+            walk(item, depth + 1)
+
+    walk(value, 0)
+    return out
+
+
+def _dims_spec(spec: Any, arg: str) -> dict[int, str]:
+    """``1`` / ``[0, 1]`` / ``{0: "batch", 1: "seq"}`` → {dim: name}."""
+    if isinstance(spec, bool):
+        raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
+    if isinstance(spec, int):
+        return {spec: DEFAULT_DIM_NAME}
+    if isinstance(spec, Mapping):
+        out = {}
+        for d, name in spec.items():
+            if not isinstance(d, int) or isinstance(d, bool) or not isinstance(name, str) or not name:
+                raise ConfigError(f"dynamic_dims[{arg!r}] maps dims (ints) to names (strings), got {d!r}: {name!r}")
+            out[d] = name
+        return out
+    if isinstance(spec, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in spec):
+        return {d: DEFAULT_DIM_NAME for d in spec}
+    raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
+
+
+class NoDynamicSizes(BindingError):
+    """The model fixed every marked dim in this trace (perhaps only at this call's sizes)."""
+
+
+class _UnmarkedRetrace(Exception):
+    """Raised by the backend for a Dynamo trace that did not come through ``_first_call``."""
+
+
+class ShapewiseModule:
+    """What ``shapewise.compile`` returns: call it like the model.
+
+    The first call traces once with Dynamo and compiles every size; later calls dispatch.
+    ``report()``, ``runnable``, ``program`` and ``traces`` are available after the first call.
+    """
+
+    def __init__(self, model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (),
+                 splitting_ops: Sequence[Any] = (), dynamic_dims: Mapping[str, Any] | None = None,
+                 backend: Any = "inductor", on_miss: str = "error", **pipeline_options: Any) -> None:
+        unknown = set(pipeline_options) - _PIPELINE_KEYS
+        if unknown:
+            raise ConfigError(f"unknown option(s) {sorted(unknown)} for shapewise.compile; known: "
+                              f"sizes, ranges, splitting_ops, dynamic_dims, backend, on_miss, "
+                              f"{', '.join(sorted(_PIPELINE_KEYS - {'sizes', 'ranges', 'splitting_ops', 'backend'}))}")
+        if on_miss not in ("error", "dynamic", "eager"):
+            raise ConfigError(f"on_miss must be 'error', 'dynamic' or 'eager', got {on_miss!r}")
+        self.model = model
+        fn = model.forward if isinstance(model, torch.nn.Module) else model
+        self._signature = inspect.signature(fn)
+        params = self._signature.parameters
+        self._positional = [n for n, p in params.items()
+                            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        self._var_names = tuple(next((n for n, p in params.items() if p.kind == kind), None)
+                                for kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD))
+        self._dims: dict[str, dict[int, str]] | None = None
+        if dynamic_dims is not None:
+            self._dims = {}
+            for arg, spec in dynamic_dims.items():
+                if arg not in params:
+                    raise ConfigError(f"dynamic_dims names {arg!r}, which is not an argument of "
+                                      f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
+                self._dims[arg] = _dims_spec(spec, arg)
+        # Sizes and ranges before any trace (a typo should not cost a trace to find out).
+        check_sizes(sizes, ranges, names={n for spec in (self._dims or {"": {0: DEFAULT_DIM_NAME}}).values()
+                                          for n in spec.values()})
+        self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,
+                             **pipeline_options)
+        build_pipeline(**self._options)  # validates op names, backend, options before any trace
+        self._on_miss = on_miss
+        self._symbol_names: dict[sympy.Symbol, str] = {}
+        self._arg_dims: dict[str, dict[int, str]] = {}
+        self.runnables: list[Runnable] = []
+        # Per trace: the dims it fixed ({"seq": 1}), None for a dim it does not have ({"kv": None}).
+        self.trace_fixed: list[dict[str, int | None]] = []
+        self._watch: Any = None  # compile="lazy" / "background": whether compiles may still run
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
+
+    # -- tracing -------------------------------------------------------------------------
+    def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
+        """Mark this call's dynamic dims dynamic, but the ``fixed`` names (Dynamo specialises
+        those; a mark from an earlier attempt is taken off); returns each dim name's sizes."""
+        bound = self._signature.bind(*args, **kwargs)
+        dims = self._dims
+        if dims is None:
+            dims = {k: {0: DEFAULT_DIM_NAME} for k, v in bound.arguments.items()
+                    if any(t.dim() > 0 for t in _tensors_of(v))}
+        dims = {a: spec for a, spec in dims.items() if bound.arguments.get(a) is not None}  # optional, left out
+        arg_dims: dict[str, dict[int, str]] = {}
+        seen: dict[str, set[int]] = {}
+        for arg, spec in dims.items():
+            value = bound.arguments[arg]
+            deep = not isinstance(value, (torch.Tensor, tuple, list, int, float, complex, str))  # a KV cache
+            tensors = _tensors_of(value, deep)
+            if not tensors and not deep:
+                raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(value).__name__} "
+                                  "with no tensor in it (a tensor, a tuple/list of tensors or an object holding "
+                                  "tensors, such as a KV cache, can vary)")
+            for t in tensors:  # a tuple/list/object argument: the dim of each of its tensors
+                for d, name in spec.items():
+                    if not -t.dim() <= d < t.dim():
+                        if self._dims is None or deep:  # an object's other tensors (an empty cache's)
+                            continue
+                        raise ConfigError(f"dynamic_dims names dim {d} of {arg!r}, which has {t.dim()} dims")
+                    seen.setdefault(name, set()).add(int(t.shape[d]))
+                    if fixed and name in fixed:
+                        _compat.unmark_dynamic(t, d % t.dim())
+                        continue
+                    # Dims the user named must stay dynamic (Dynamo errors if the model fixes
+                    # them); the default (dim 0 of every tensor) only where the model lets it vary.
+                    _compat.mark_dynamic(t, d % t.dim(), strict=self._dims is not None and not deep)
+            if deep:
+                arg_dims[arg] = dict(spec)  # read per tensor (an object's tensors differ in rank)
+            elif tensors:
+                ndim = tensors[0].dim()
+                arg_dims[arg] = {d % ndim if ndim else d: n for d, n in spec.items()}
+        self._arg_dims = arg_dims
+        return seen
+
+    def _to_fix(self, seen: Mapping[str, set[int]]) -> dict[str, int]:
+        """The dims of a re-trace to specialise, as Dynamo alone would: a size 0 or 1 that every
+        earlier trace refuses (e.g. seq=1 where the model's Python branches on ``seq > 1``: a
+        trace symbolic in it would carry that branch as a SymBool), or that an earlier trace
+        fixed (this call failed that trace's guards for another reason: a KV cache laid out
+        otherwise after the first decode step)."""
+        fix = {}
+        for name, values in seen.items():
+            if len(values) != 1 or next(iter(values)) not in (0, 1):
+                continue
+            v = next(iter(values))
+            earlier = list(zip(self.runnables, self.trace_fixed))
+            if any(fixed.get(name) == v for _, fixed in earlier) or all(
+                    name in fixed or refusal(r.program.shapes, name, v) is not None for r, fixed in earlier):
+                fix[name] = v
+        return fix
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Runnable:
+        if not getattr(self._local, "tracing", False):
+            # Dynamo re-traces on a guard failure (grad mode: train then eval; requires_grad;
+            # dtype) with this call's tensors, which carry no dynamic marks: that graph would be
+            # static. Refuse it; __call__ then marks them and traces again.
+            raise _UnmarkedRetrace
+        names: dict[sympy.Symbol, str] = {}
+        for node in gm.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            arg = _compat.local_name_of(_compat.placeholder_source(node), self._positional, *self._var_names,
+                                        keywords=self._signature.parameters)
+            value = _compat.node_value(node)
+            if arg in self._arg_dims and isinstance(value, torch.Tensor):
+                for d, name in self._arg_dims[arg].items():
+                    if not -value.dim() <= d < value.dim():
+                        continue
+                    e = _compat.sym_expr(value.shape[d])
+                    if isinstance(e, sympy.Symbol):
+                        names.setdefault(e, name)
+        self._symbol_names = names
+        fixed = dict(getattr(self._local, "fixed", None) or {})
+        asked = self._options.get("sizes") or self._options.get("ranges")
+        if not self.runnables and all(v is None for v in fixed.values()) and asked and not any(
+                _compat.sym_expr(e).free_symbols for n in gm.graph.nodes if n.op == "placeholder"
+                for v in [_compat.node_value(n)] for e in (v.shape if isinstance(v, torch.Tensor) else
+                                                           [v] if isinstance(v, torch.SymInt) else [])):
+            marked = ", ".join(f"dim {list(d)} of {a!r}" for a, d in self._arg_dims.items()) or "none"
+            raise NoDynamicSizes(
+                f"the trace has no dynamic size, so there is nothing to bind the sizes and ranges to: the model "
+                f"fixes every dim that was marked dynamic (marked: {marked}); name the dims that vary with "
+                "dynamic_dims={argument: dim}")
+        # The first trace leaves out single sizes its guards refuse (a call at one traces again,
+        # at that size; e.g. a trace at batch 1 specialised to it) and refuses such ranges up
+        # front. A later trace exists because a call failed the first one's guards: it serves the
+        # sizes its own guards allow (a size only the first trace can serve is skipped, not an
+        # error for a call that did not ask for it).
+        # A named dim with no symbol of its own in this trace (absent from the call, or Dynamo
+        # proved it equal to another, as a mask's length to the tokens' at prefill) follows the
+        # others: every size of it agrees with this trace.
+        declared = {n for spec in (self._dims or {}).values() for n in spec.values()}
+        fixed.update({n: None for n in sorted(declared - set(names.values()) - set(fixed))})
+        runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
+                                                          "on_miss": self._on_miss, "fixed": fixed,
+                                                          "refused": "skip" if self.runnables else "skip-sizes"})
+        self.runnables.append(runnable)
+        self.trace_fixed.append(fixed)
+        self._watch = runnable.runtime.watch or self._watch
+        return runnable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if self.runnables:
+                try:
+                    if self._watch is not None and self._watch.active:
+                        with _compat.calls_during_fx_trace():  # a lazy / background compile may be tracing
+                            return self._compiled(*args, **kwargs)
+                    return self._compiled(*args, **kwargs)
+                except Exception as e:
+                    if not isinstance(_compat.backend_error_cause(e), _UnmarkedRetrace):
+                        raise
+                return self._first_call(args, kwargs, retrace=True)
+            return self._first_call(args, kwargs)
+        except Exception as e:
+            inner = _compat.backend_error_cause(e)
+            if isinstance(inner, ShapewiseError):
+                # Hide Dynamo's wrapper, keep the error's own cause (e.g. the backend's exception).
+                raise inner.with_traceback(None) from inner.__cause__
+            if isinstance(e, DispatchMiss) and len(self.runnables) > 1:
+                e.add_note(self._traces_note())
+            if _compat.is_graph_break(e):
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                name = getattr(self.model, "__qualname__", type(self.model).__name__)
+                raise ShapewiseError(
+                    f"Dynamo cannot trace {name} as one graph, which shapewise needs (it traces with "
+                    f"fullgraph=True): {first}. Make that code traceable or move it out of the forward (e.g. a "
+                    "logging call, a data-dependent Python branch); Dynamo's full message is the cause below"
+                ) from e
+            raise
+
+    def _traces_note(self) -> str:
+        """Which sizes each trace serves (a call goes to the first trace whose guards it passes)."""
+        parts = []
+        for i, r in enumerate(self.runnables):
+            keys = ", ".join(row["key"] for row in r.table.rows()) or "none (its guards refuse every size asked for)"
+            parts.append(f"trace {self._trace_label(i)}: {keys}")
+        return ("shapewise: this model has several traces (a call that fails every trace's guards makes a new one, "
+                "for the sizes its own guards allow): " + "; ".join(parts))
+
+    def _first_call(self, args: tuple, kwargs: dict, retrace: bool = False) -> Any:
+        """Trace (the first call, or a re-trace after a guard failed) with the dynamic dims of
+        this call's tensors marked and sizes 0/1 not specialised, except where no trace symbolic
+        in them can serve this call: a size 0/1 every earlier trace refuses, or a trace Dynamo
+        cannot make symbolic at this call (the model's Python branches on a size 0/1, or
+        specialises this size outright): then its sizes 0/1, then all its sizes, are fixed, as
+        Dynamo would fix them alone; that trace serves the sizes that agree with them."""
+        with self._lock:
+            if self.runnables and not retrace:
+                return self._compiled(*args, **kwargs)
+            seen = self._mark(args, kwargs)
+            fixed = self._to_fix(seen) if self.runnables else {}
+            # Then, if Dynamo cannot trace this call symbolic in them: its sizes 0/1 fixed, then
+            # every size it has (the model specialises this size, e.g. a view valid only where
+            # T - 1 == 1): a trace for exactly this call, as Dynamo would make alone.
+            single = {name: next(iter(v)) for name, v in seen.items() if len(v) == 1}
+            small = {name: v for name, v in single.items() if v in (0, 1)}
+            attempts = [fixed]
+            for more in ({**small, **fixed}, {**single, **fixed}):
+                if more not in attempts:
+                    attempts.append(more)
+            for i, attempt in enumerate(attempts):
+                if attempt:  # each attempt fixes a superset of the last; none: the marks made above
+                    self._mark(args, kwargs, attempt)
+                count = len(self.runnables)
+                try:
+                    return self._trace(args, kwargs, attempt)
+                except Exception as e:
+                    cause = _compat.backend_error_cause(e)
+                    if i == len(attempts) - 1 or not _compat.is_trace_error(e) or (
+                            isinstance(cause, ShapewiseError) and not (
+                                isinstance(cause, NoDynamicSizes) and self._serves(single))):
+                        raise
+                    # Dynamo refused the trace after handing it over (a dim marked dynamic was
+                    # specialised): it installed nothing, so neither does shapewise.
+                    del self.runnables[count:], self.trace_fixed[count:]
+                    log.info("shapewise: the trace with %s fixed failed (%s: %s); tracing again with %s fixed",
+                             attempt or "no size", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+                             attempts[i + 1])
+
+    def _serves(self, sizes: Mapping[str, int]) -> bool:
+        """Whether a trace fixed at ``sizes`` would serve any of the requested sizes or ranges
+        (a model that specialises the size of its first call, e.g. T=2, is traced at it)."""
+        empty = ShapeInfo(symbols=(), sources={}, inputs=(), input_names=())
+        try:
+            return bool(make_bindings(empty, self._options.get("sizes"), self._options.get("ranges"), fixed=sizes))
+        except ShapewiseError:
+            return False
+
+    def _trace(self, args: tuple, kwargs: dict, fixed: Mapping[str, int]) -> Any:
+        count = len(self.runnables)
+        self._local.tracing, self._local.fixed = True, fixed
+        try:
+            with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget():
+                out = self._compiled(*args, **kwargs)
+        finally:
+            self._local.tracing, self._local.fixed = False, None
+        if len(self.runnables) == count:
+            raise ShapewiseError(
+                "Dynamo ran the model without handing a graph to shapewise (its recompile limit for "
+                "this function may be reached: torch._dynamo.config.cache_size_limit); nothing was compiled"
+            )
+        return out
+
+    # -- inspection ----------------------------------------------------------------------
+    @property
+    def runnable(self) -> Runnable:
+        if not self.runnables:
+            raise ShapewiseError("nothing compiled yet: call the compiled model once (that call traces and compiles)")
+        return self.runnables[-1]
+
+    @property
+    def program(self) -> Program:
+        return self.runnable.program
+
+    @property
+    def traces(self) -> int:
+        """How many Dynamo traces reached the backend (1 unless a guard failed, e.g. a new dtype)."""
+        return len(self.runnables)
+
+    def report(self) -> CompileReport:
+        """One row per (piece, variant) of every trace; with several traces, a ``trace`` column
+        says which one serves the row's sizes (``2 (seq=1)``: the second, which fixed seq to 1)."""
+        if len(self.runnables) <= 1:
+            return CompileReport(row for r in self.runnables for row in r.report())
+        rows = []
+        for i, r in enumerate(self.runnables):
+            fixed = ", ".join(f"{k}={v}" for k, v in self.trace_fixed[i].items() if v is not None)
+            for row in r.report():
+                key = row.get("key", "")  # the fixed dims belong to the sizes this row serves
+                if fixed and isinstance(key, str) and key.startswith("{"):
+                    key = "{" + ", ".join(x for x in (key[1:-1], fixed) if x) + "}"
+                rows.append({"trace": self._trace_label(i), **row, "key": key})
+        return CompileReport(rows, columns=("trace", *CompileReport().columns))
+
+    def _trace_label(self, i: int) -> str:
+        fixed = ", ".join(f"{k}={v}" for k, v in self.trace_fixed[i].items() if v is not None)
+        return f"{i + 1}" + (f" ({fixed})" if fixed else "")
+
+
+def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), splitting_ops: Sequence[Any] = (),
+            dynamic_dims: Mapping[str, Any] | None = None, backend: Any = "inductor", on_miss: str = "error",
+            **options: Any) -> ShapewiseModule:
+    """Compile ``model`` once per size, dispatching by shape at run time.
+
+    >>> fast = shapewise.compile(model, sizes=[1, 2, 4, 8], ranges=[(9, 4096)], splitting_ops=["sdpa"])
+    >>> fast = shapewise.compile(model, dynamic_dims={"x": {0: "batch", 1: "seq"}},
+    ...                          sizes={"batch": [1, 2], "seq": [128, 256]})
+
+    ``dynamic_dims`` maps argument names to a dim, a list of dims, or {dim: name}; by default
+    dim 0 of every tensor argument. Options: ``options`` / ``static_options`` /
+    ``range_options`` (Inductor config), ``on_compile_error``, ``instruments``.
+    """
+    return ShapewiseModule(model, sizes=sizes, ranges=ranges, splitting_ops=splitting_ops, dynamic_dims=dynamic_dims,
+                           backend=backend, on_miss=on_miss, **options)

@@ -1,0 +1,45 @@
+"""The package keeps its layers (the import-linter contracts in pyproject.toml, lazy imports
+included), has no import cycle, and no module over 500 lines."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "shapewise"
+MAX_LINES = 500
+
+
+def test_no_module_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them along a concept): {long}"
+
+
+def test_the_layer_contracts_hold():
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    if lint is None:
+        pytest.skip("import-linter is not installed (pip install -e .[dev])")
+    out = subprocess.run([lint, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "0 broken" in out.stdout
+
+
+def test_no_import_cycle_between_modules():
+    grimp = pytest.importorskip("grimp")
+    nx = pytest.importorskip("networkx")
+    graph = grimp.build_graph("shapewise")
+    g = nx.DiGraph()
+    for m in graph.modules:
+        g.add_node(m)
+        for t in graph.find_modules_directly_imported_by(m):
+            g.add_edge(m, t)
+    # The package's own __init__ re-exports every layer; a cycle through it is no cycle of layers.
+    g.remove_node("shapewise")
+    cycles = list(nx.simple_cycles(g))
+    assert not cycles, f"import cycles: {cycles[:5]}"
