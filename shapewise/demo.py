@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import shapewise as sw
+from shapewise.ir import text_table
 from shapewise.models import ATTENTION_OP, ToyTransformer
 
 __all__ = ["main", "median_us"]
@@ -29,14 +30,6 @@ def median_us(fn: Callable[[], Any], warmup: int = 5, repeat: int = 30) -> float
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
-
-
-def _table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
-    widths = [max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
-    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += ["  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)) for r in rows]
-    return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,10 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind = "splitting op (runs as is)" if p.is_splitting else "compiled"
         print(f"  {p.name}: {ops:3d} ops, {kind}")
     print("\n== dispatch table ==")
-    print(_table(program.dispatch.rows(), ["kind", "key"]))
+    print(text_table(program.dispatch.rows(), ["kind", "key"]))
     print(f"\n== compile report ({len(fast.report())} variants, {compile_s:.1f} s wall incl. trace) ==")
     rows = [{**r, "seconds": f"{r['seconds']:.2f}"} for r in fast.report()]
-    print(_table(rows, ["piece", "key", "static", "seconds", "source", "backend"]))
+    print(text_table(rows, ["piece", "key", "static", "seconds", "source", "backend"]))
     print(f"\nchecked against eager at sizes {check_sizes}: max abs error {worst:.2e}")
     print(f"Dynamo traces: {fast.traces}")
 
@@ -100,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "shapewise µs": f"{median_us(lambda: fast(ids)):.0f}",
                 })
         print("\n== timing (CPU, median of 30 calls after 5 warm-up) ==")
-        print(_table(timing, list(timing[0])))
+        print(text_table(timing, list(timing[0])))
     return 0
 
 

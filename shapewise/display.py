@@ -15,6 +15,7 @@ from shapewise.graph_split.draw import op_count, split_png
 from shapewise.ir.printer import format_graph, format_program
 from shapewise.ir.program import RENDERERS, Program, ShapeInfo, TensorMeta
 from shapewise.ir.report import html_table
+from shapewise.ir.symbolic import range_text
 
 __all__ = ["piece_rows", "program_html", "program_png", "shapes_html", "symbol_rows"]
 
@@ -41,7 +42,7 @@ def symbol_rows(shapes: ShapeInfo) -> list[dict[str, Any]]:
         lo, hi = shapes.ranges.get(s, (None, None))
         src = shapes.sources.get(s)
         rows.append({"symbol": str(s), "name": shapes.names.get(s, ""), "read from": str(src) if src else "derived",
-                     "traced": shapes.hints.get(s, ""), "range": f"[{lo}, {hi if hi is not None else 'inf'}]"})
+                     "traced": shapes.hints.get(s, ""), "range": range_text(lo, hi)})
     return rows
 
 

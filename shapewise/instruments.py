@@ -168,9 +168,7 @@ def random_inputs(shapes: ShapeInfo, values: Mapping[sympy.Symbol, int], *, seed
     out: list[Any] = []
     for meta in shapes.inputs:
         if isinstance(meta, TensorMeta):
-            shape = [evaluate(e, values) for e in meta.shape]
-            stride = [evaluate(e, values) for e in meta.stride]
-            offset = evaluate(meta.offset, values)
+            shape, stride, offset = meta.at(values)
             n = storage_length(shape, stride, offset)
             if meta.dtype.is_floating_point or meta.dtype.is_complex:
                 flat = torch.randn(n, generator=gen, dtype=meta.dtype)
@@ -309,14 +307,9 @@ class Verify(Instrument):
         if program.dispatch is not None:
             return "dispatch", Runnable(program)
         binding = _binding_for(program, values)
-        callables, used = {}, False
-        for piece in program.pieces:
-            v = None if piece.is_splitting or binding is None else piece.variant_for(binding)
-            if v is not None and v.compiled is not None:
-                callables[piece.name], used = v.compiled, True
-            else:
-                callables[piece.name] = piece.gm.forward
-        return ("variants" if used else "pieces"), make_runner(program.graph, callables)
+        used = binding is not None and any(
+            (v := p.variant_for(binding)) is not None and v.compiled is not None for p in program.compute_pieces)
+        return ("variants" if used else "pieces"), make_runner(program.graph, program.callables(binding))
 
     def check(self, spec: str, program: Program, reference: torch.fx.GraphModule, shapes: ShapeInfo,
               values: Mapping[sympy.Symbol, int]) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """The torch adapter: every use of torch internals lives in this package, so a torch upgrade
 touches only it. ``shapes`` (fake tensors, ShapeEnvs, symbols, guards), ``dynamo`` (marks,
-sources, trace errors, locks), ``inductor`` (compiles, generated code, artifacts).
+sources, trace errors, locks), ``inductor`` (compiles, generated code, artifacts), ``ops``
+(torch's operator objects).
 
 Supported: torch >= 2.11 (GPU machine: 2.11.0; CPU machines: 2.13.0).
 """
@@ -12,6 +13,8 @@ from shapewise._compat.dynamo import *  # noqa: F403 - one flat adapter namespac
 from shapewise._compat.dynamo import __all__ as _dynamo_all
 from shapewise._compat.inductor import *  # noqa: F403
 from shapewise._compat.inductor import __all__ as _inductor_all
+from shapewise._compat.ops import *  # noqa: F403
+from shapewise._compat.ops import __all__ as _ops_all
 from shapewise._compat.shapes import *  # noqa: F403
 from shapewise._compat.shapes import TORCH_VERSION
 from shapewise._compat.shapes import __all__ as _shapes_all
@@ -29,4 +32,5 @@ __all__ = [
     *_shapes_all,
     *_dynamo_all,
     *_inductor_all,
+    *_ops_all,
 ]

@@ -12,7 +12,7 @@ import torch.fx
 
 __all__ = [
     "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
-    "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic", "op_schema",
+    "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
     "own_recompile_budget", "placeholder_source", "scalars_passed_as_tensors", "storage_key", "unmark_dynamic",
 ]
 
@@ -137,20 +137,6 @@ def storage_key(t: torch.Tensor) -> Any:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
-
-
-def op_schema(target: Any):
-    """The schema of an OpOverload (or of an OpOverloadPacket's default overload), else None."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        overload = getattr(target, "default", None)
-        return overload._schema if overload is not None else None
-    return None
-
-
-# -- the artifact cache (shapewise.lower.cache): saving, loading and fingerprinting Inductor artifacts --
-
 
 
 def compile_lock():

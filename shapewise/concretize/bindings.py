@@ -16,7 +16,7 @@ import sympy
 
 from shapewise.errors import BindingError, ConfigError, GuardViolation
 from shapewise.ir.program import Binding, ShapeInfo, TensorMeta
-from shapewise.ir.symbolic import INT_MAX
+from shapewise.ir.symbolic import INT_MAX, range_text
 
 __all__ = ['check_binding', 'check_sizes', 'make_bindings', 'primary_symbols', 'refusal', 'resolve_names']
 
@@ -409,7 +409,7 @@ def check_binding(shapes: ShapeInfo, binding: Binding) -> None:
         if (lo is not None and vlo < lo) or (hi is not None and vhi > hi):
             raise GuardViolation(
                 f"size {shapes.name_of(s)}={v if isinstance(v, int) else f'{vlo}..{vhi}'} is outside the range "
-                f"the trace allows for it [{lo}, {hi if hi is not None else 'inf'}]"
+                f"the trace allows for it {range_text(lo, hi)}"
             )
     guards = [sympy.sympify(g) for g, _ in shapes.guards]
     points = [binding.static_values()] if binding.is_static else binding.corners()
@@ -440,8 +440,7 @@ def refusal(shapes: ShapeInfo, name: str, value: int) -> str | None:
     for s in syms:
         lo, hi = shapes.ranges.get(s, (None, None))
         if (lo is not None and value < lo) or (hi is not None and value > hi):
-            top = hi if hi is not None else "inf"
-            return f"{name}={value} is outside the range the trace allows for it [{lo}, {top}]"
+            return f"{name}={value} is outside the range the trace allows for it {range_text(lo, hi)}"
     values = {s: value for s in syms}
     for guard, _ in shapes.guards:
         g = sympy.sympify(guard)

@@ -148,9 +148,7 @@ def observed_inputs(program: Program, binding: Binding, memo: dict[Any, Any] | N
         with mode:
             for meta in shapes.inputs:
                 if isinstance(meta, TensorMeta):
-                    desc = ("t", tuple(evaluate(e, values) for e in meta.shape),
-                            tuple(evaluate(e, values) for e in meta.stride), evaluate(meta.offset, values),
-                            meta.dtype, meta.device, meta.requires_grad)
+                    desc = ("t", *meta.at(values), meta.dtype, meta.device, meta.requires_grad)
                     if desc not in made:
                         made[desc] = _from_layout(desc)
                     args.append(made[desc])

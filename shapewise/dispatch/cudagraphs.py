@@ -34,7 +34,6 @@ from shapewise.concretize import resolve_names
 from shapewise.errors import ConfigError
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
-from shapewise.ir.symbolic import evaluate
 from shapewise.passes.base import Pass, register_pass
 
 __all__ = ["CudaGraphs", "GraphedPiece"]
@@ -195,8 +194,8 @@ def _clone_tensors(tree: Any) -> Any:
 
 
 def _layout(meta: TensorMeta, values: Mapping[sympy.Symbol, int]) -> tuple[list[int], list[int], int]:
-    return ([evaluate(e, values) for e in meta.shape], [evaluate(e, values) for e in meta.stride],
-            evaluate(meta.offset, values))
+    shape, stride, offset = meta.at(values)
+    return list(shape), list(stride), offset
 
 
 Layout = tuple[list[int], list[int], int]
@@ -315,14 +314,10 @@ class CudaGraphs(Pass):
         whole_buffers = buffers_for(shapes.inputs) if self.mode == "full" else []
         overrides = {}
         for key, binding in keys:
-            callables = {}
-            for p in program.pieces:
-                if p.is_splitting:
-                    callables[p.name] = p.gm.forward
-                    continue
-                variant = p.variant_for(binding)
-                fn = variant.compiled if variant is not None and variant.compiled is not None else p.gm.forward
-                callables[p.name] = fn if self.mode == "full" else GraphedPiece(fn, p.name, key, pool, buffers[p.name])
+            callables = program.callables(binding)
+            if self.mode != "full":
+                for p in program.compute_pieces:
+                    callables[p.name] = GraphedPiece(callables[p.name], p.name, key, pool, buffers[p.name])
             run = make_runner(program.graph, callables)
             if self.mode == "full":
                 run = GraphedPiece(run, "forward", key, pool, whole_buffers)

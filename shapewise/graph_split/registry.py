@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from shapewise._compat import is_op_overload, is_op_packet, op_overloads, op_qualname
 from shapewise.errors import ConfigError
 
 __all__ = ["OpMatcher", "register_alias", "registered_aliases", "resolve_ops"]
@@ -31,18 +32,9 @@ class OpMatcher:
         return self.label
 
 
-def _qualname(target: Any) -> tuple[str, str] | None:
-    """(``ns::op``, overload) for an OpOverload / OpOverloadPacket target, else None."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name, target._overloadname or "default"
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name, ""
-    return None
-
-
 def _match_name(qualified: str, overload: str | None) -> Callable[[torch.fx.Node], bool]:
     def test(node: torch.fx.Node) -> bool:
-        q = _qualname(node.target)
+        q = op_qualname(node.target)
         if q is None or q[0] != qualified:
             return False
         if overload is None:
@@ -66,7 +58,7 @@ _SDPA_ATEN = (
 def _is_sdpa(node: torch.fx.Node) -> bool:
     if node.target is torch.nn.functional.scaled_dot_product_attention:
         return True
-    q = _qualname(node.target)
+    q = op_qualname(node.target)
     return q is not None and q[0] in _SDPA_ATEN
 
 
@@ -119,17 +111,17 @@ def _resolve_one(op: Any) -> OpMatcher:
                 + (f"; closest registered names: {close}" if close else "")
                 + " (register it with torch.library before compiling)"
             )
-        if overload and overload not in packet.overloads():
+        if overload and overload not in op_overloads(packet):
             raise ConfigError(
                 f"unknown splitting op {op!r}: {namespace}::{opname} has overloads "
-                f"{packet.overloads()}, not {overload!r}"
+                f"{op_overloads(packet)}, not {overload!r}"
             )
         return OpMatcher(op, _match_name(f"{namespace}::{opname}", overload or None))
-    if isinstance(op, torch._ops.OpOverload):
-        name, overload = _qualname(op)
+    if is_op_overload(op):
+        name, overload = op_qualname(op)
         return OpMatcher(f"{name}.{overload}", _match_name(name, overload))
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        name = op._qualified_op_name
+    if is_op_packet(op):
+        name, _ = op_qualname(op)
         return OpMatcher(name, _match_name(name, None))
     if callable(op):
         label = getattr(op, "__qualname__", None) or repr(op)

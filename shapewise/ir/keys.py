@@ -24,7 +24,7 @@ import sympy
 import torch
 import torch.fx
 
-from shapewise._compat import FakeTensor
+from shapewise._compat import FakeTensor, op_key
 from shapewise.ir.program import Binding, ShapeInfo, TensorMeta
 from shapewise.ir.symbolic import range_hint
 
@@ -52,10 +52,9 @@ class GraphKey:
 def _qualname(target: Any) -> str:
     if isinstance(target, str):
         return target
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return f"op:{target}"
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return f"hop:{target.name()}"
+    key = op_key(target)
+    if key is not None:
+        return key
     qual = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
     module = getattr(target, "__module__", None) or type(target).__module__
     if not qual or "<lambda>" in qual or "<locals>" in qual:
@@ -129,7 +128,7 @@ class _Normaliser:
             return _tensor_digest(a)
         if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return f"symval[{self.expr(a.node.expr)}]"
-        if isinstance(a, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        if op_key(a) is not None:
             return _qualname(a)
         if callable(a):
             return "fn:" + _qualname(a)

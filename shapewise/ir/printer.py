@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from shapewise.ir.program import RENDERERS, Piece, Program, ShapeInfo, TensorMeta, Variant
-from shapewise.ir.symbolic import evaluate
+from shapewise.ir.symbolic import range_text
 
 __all__ = ["format_graph", "format_program", "format_shapes"]
 
@@ -42,7 +42,7 @@ def format_shapes(shapes: ShapeInfo) -> str:
             lo, hi = shapes.ranges.get(s, (None, None))
             lines.append(
                 f"symbol {s}{name}: read from {src if src else 'derived'}; traced {shapes.hints.get(s)}; "
-                f"range [{lo}, {hi if hi is not None else 'inf'}]"
+                f"range {range_text(lo, hi)}"
             )
     for name, meta in zip(shapes.input_names, shapes.inputs):
         lines.append(f"input {name}: {_fmt_input(meta)}")
@@ -63,7 +63,8 @@ def _layout_note(piece: Piece, variant: Variant) -> str:
         if not (isinstance(meta, TensorMeta) and isinstance(arg, torch.Tensor)):
             continue
         try:
-            traced = (tuple(evaluate(e, values) for e in meta.stride), evaluate(meta.offset, values))
+            _, stride, offset = meta.at(values)
+            traced = (stride, offset)
         except KeyError:
             continue
         if traced != (tuple(arg.stride()), arg.storage_offset()):

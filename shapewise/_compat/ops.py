@@ -1,0 +1,53 @@
+"""Operators: telling torch's op objects (``torch.ops.ns.op``, its overloads, higher-order
+operators) apart and naming them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["is_op_overload", "is_op_packet", "op_key", "op_overloads", "op_qualname", "op_schema"]
+
+
+def is_op_overload(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def is_op_packet(target: Any) -> bool:
+    return isinstance(target, torch._ops.OpOverloadPacket)
+
+
+def op_qualname(target: Any) -> tuple[str, str] | None:
+    """(``ns::op``, overload) for an OpOverload ("default" for the unnamed one), (``ns::op``,
+    "") for an OpOverloadPacket, else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name, target._overloadname or "default"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name, ""
+    return None
+
+
+def op_overloads(packet: Any) -> list[str]:
+    """The overload names of an OpOverloadPacket."""
+    return list(packet.overloads())
+
+
+def op_key(target: Any) -> str | None:
+    """A stable name of a torch operator for content keys (``op:aten.mm.default``,
+    ``hop:wrap_with_autocast``), or None when ``target`` is not one."""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return f"op:{target}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"hop:{target.name()}"
+    return None
+
+
+def op_schema(target: Any):
+    """The schema of an OpOverload (or of an OpOverloadPacket's default overload), else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overload = getattr(target, "default", None)
+        return overload._schema if overload is not None else None
+    return None
