@@ -1,6 +1,10 @@
-"""Small graphs used across tests."""
+"""What several test modules share: small graphs, the dtype-set comparison, checks of
+pictures and printed graphs. Test modules import from here, never from each other."""
 
 from __future__ import annotations
+
+import struct
+from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -57,4 +61,79 @@ def graph_args(gm, *tensors, **named):
                     out[i] = hit[0]
                     break
         assert out[i] is not None, f"no tensor carries symbol {e}"
+    return out
+
+
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-4, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (5e-3, 5e-3),
+}
+
+
+def assert_same(actual, expected, what: str = "") -> None:
+    """Compare outputs (tensors or nested tuples of them) with tolerances set by dtype."""
+    if isinstance(expected, (tuple, list)):
+        assert isinstance(actual, (tuple, list)) and len(actual) == len(expected), what
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, f"{what}[{i}]")
+        return
+    if not isinstance(expected, torch.Tensor):
+        assert actual == expected, what
+        return
+    assert isinstance(actual, torch.Tensor), f"{what}: got {type(actual).__name__}, expected a tensor"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    if expected.is_floating_point():
+        rtol, atol = TOLERANCES.get(expected.dtype, (1e-4, 1e-5))
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(actual, expected), what
+
+
+def is_png(data: bytes) -> tuple[int, int]:
+    """Check the PNG signature and IHDR chunk; return (width, height)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    length, kind = struct.unpack(">I4s", data[8:16])
+    assert kind == b"IHDR" and length == 13
+    width, height = struct.unpack(">II", data[16:24])
+    assert data.rstrip(b"\x00")[-8:-4] == b"IEND"
+    return width, height
+
+
+def column_major_after(x):
+    # The order of z's strides depends on n vs 3, which the size-oblivious trace leaves undecided
+    # (row-major, no guard); eager at n=8 makes it column-major (1, 3). No size is 0 or 1.
+    z = x.t().contiguous().t()[::3] * 2
+    s = torch.ops.shapewise_toy.attention(x[None], x[None], x[None])[0]
+    return z + s[::3]
+
+
+def normalised(text: str) -> str:
+    """Printed graph text made comparable across torch versions and runs: symbols renamed
+    ``s0, s1, ...`` in order of appearance, trailing spaces and blank lines dropped."""
+    import re
+
+    names: dict[str, str] = {}
+    text = re.sub(r"\b[su]\d+\b", lambda m: names.setdefault(m.group(0), f"s{len(names)}"), text)
+    return "\n".join(ln.rstrip() for ln in text.strip().splitlines() if ln.strip())
+
+
+def assert_before_after(pass_, program, before: str, after: str) -> Any:
+    """Run ``pass_`` on ``program`` (a Program or a GraphModule) and compare the canonical
+    printer's text before and after it with ``before`` and ``after`` (dedented, normalised:
+    see ``normalised``). Returns the pass's output. On a mismatch the message shows the text
+    that was printed, to paste into the test once it is checked by eye."""
+    import textwrap
+
+    import shapewise as sw
+
+    program = program if isinstance(program, sw.Program) else sw.Program(gm=program)
+    got_before = normalised(str(program))
+    out = pass_(program)
+    got_after = normalised(str(out))
+    for what, got, want in (("before", got_before, before), ("after", got_after, after)):
+        want = normalised(textwrap.dedent(want))
+        assert got == want, f"{pass_.spec()}: the program {what} it differs; printed:\n{got}"
     return out

@@ -12,7 +12,7 @@ from torch import nn
 import shapewise as sw
 from shapewise._compat import dynamo_unique_graphs
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, MLP, ToyTransformer
-from tests.conftest import assert_same
+from tests.helpers import assert_same
 
 
 @pytest.mark.parametrize("first", [1, 33])

@@ -32,8 +32,7 @@ from shapewise._compat import node_value, sym_expr
 from shapewise.concretize import check_binding, make_bindings
 from shapewise.ir.runner import make_runner
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP
-from tests.conftest import assert_same
-from tests.helpers import dynamo_graph, graph_args
+from tests.helpers import assert_same, dynamo_graph, graph_args
 
 SCALE_OP = "shapewise_fuzz::scale"
 PAIR_OP = "shapewise_fuzz::pair"

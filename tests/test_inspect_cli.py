@@ -6,7 +6,7 @@ import torch
 
 from shapewise import cli, inspect_cli
 from shapewise.models import MLP
-from tests.graph_split.test_draw import is_png
+from tests.helpers import is_png
 
 
 def make_mlp():

@@ -16,7 +16,7 @@ from torch import nn
 import shapewise as sw
 from shapewise._compat import backward_source, compiled_backward, compiled_source, dynamo_unique_graphs
 from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
-from tests.conftest import assert_same
+from tests.helpers import assert_same
 
 # Dynamo names size symbols s<N>; Inductor's kernels take them as ks<N>.
 SYMBOLIC = re.compile(r"\b(k?s\d+|u\d+)\b")

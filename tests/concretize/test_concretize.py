@@ -9,7 +9,7 @@ import torch
 import shapewise as sw
 from shapewise.concretize import make_bindings
 from shapewise.ir.program import SymbolSource, TensorMeta
-from tests.helpers import dynamo_graph, symbolic_graph
+from tests.helpers import column_major_after, dynamo_graph, symbolic_graph
 
 
 def derived(x):
@@ -183,17 +183,9 @@ def test_guard_location_gets_back_the_letter_torch_cuts(tmp_path):
     assert _repair_location("y  # nowhere/such.py:3 in f") == "y  # nowhere/such.py:3 in f"
 
 
-def _column_major_after(x):
-    # The order of z's strides depends on n vs 3, which the size-oblivious trace leaves undecided
-    # (row-major, no guard); eager at n=8 makes it column-major (1, 3). No size is 0 or 1.
-    z = x.t().contiguous().t()[::3] * 2
-    s = torch.ops.shapewise_toy.attention(x[None], x[None], x[None])[0]
-    return z + s[::3]
-
-
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_static_variant_layout_where_the_trace_left_the_order_undecided(backend):
-    gm = dynamo_graph(_column_major_after, torch.randn(7, 5))
+    gm = dynamo_graph(column_major_after, torch.randn(7, 5))
     # Over the range (3, 7) the range variant knows 3 <= n and makes z column-major too: the
     # next piece's range variant must be compiled for that, not for the trace's row-major.
     runnable = sw.Pipeline([sw.Split(ops=["shapewise_toy::attention"]), sw.Concretize(sizes=[2, 8], ranges=[(3, 7)]),

@@ -4,50 +4,16 @@ and real tensors (for the layout of every piece input, derived, non-contiguous, 
 
 from __future__ import annotations
 
-import sympy
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import shapewise as sw
-from shapewise._compat import CeilDiv, FloorDiv, Max, Min, Mod
 from shapewise.ir import evaluate
 from shapewise.ir.runner import make_runner
-from tests.conftest import assert_same
-from tests.helpers import dynamo_graph
-
-SYMS = sympy.symbols("s0 s1 s2", integer=True, positive=True)
-
-
-def _exprs():
-    leaves = st.one_of(
-        st.sampled_from([("sym", i) for i in range(3)]),
-        st.integers(1, 9).map(lambda c: ("const", c)),
-    )
-
-    def extend(children):
-        const = st.integers(1, 7)
-        return st.one_of(
-            st.tuples(st.sampled_from(["add", "mul", "max", "min"]), children, children),
-            st.tuples(st.sampled_from(["floordiv", "ceildiv", "mod"]), children, const),
-        )
-
-    return st.recursive(leaves, extend, max_leaves=8)
-
-
-def to_sympy(tree):
-    kind = tree[0]
-    if kind == "sym":
-        return SYMS[tree[1]]
-    if kind == "const":
-        return sympy.Integer(tree[1])
-    a = to_sympy(tree[1])
-    if kind in ("floordiv", "ceildiv", "mod"):
-        c = sympy.Integer(tree[2])
-        return {"floordiv": FloorDiv, "ceildiv": CeilDiv, "mod": Mod}[kind](a, c)
-    b = to_sympy(tree[2])
-    return {"add": lambda: a + b, "mul": lambda: a * b, "max": lambda: Max(a, b), "min": lambda: Min(a, b)}[kind]()
+from tests.helpers import assert_same, dynamo_graph
+from tests.strategies import SYMS, _exprs, to_sympy
 
 
 def oracle(tree, values):

@@ -8,8 +8,7 @@ import torch
 import shapewise as sw
 from shapewise.dispatch.cudagraphs import CudaGraphs, graphed_pieces
 from shapewise.models import ATTENTION_OP, ToyTransformer
-from tests.conftest import assert_same
-from tests.helpers import dynamo_graph
+from tests.helpers import assert_same, column_major_after, dynamo_graph
 
 
 def test_capture_sizes_must_be_compiled_or_inside_a_range():
@@ -71,9 +70,8 @@ def test_static_buffer_inside_a_range_takes_the_range_variants_layout():
     import dataclasses
 
     from shapewise.dispatch.cudagraphs import buffer_layouts
-    from tests.concretize.test_concretize import _column_major_after
 
-    gm = dynamo_graph(_column_major_after, torch.randn(7, 5))
+    gm = dynamo_graph(column_major_after, torch.randn(7, 5))
     program = sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(ranges=[(3, 7)]),
                            sw.Lower(backend="eager"), sw.BuildDispatch()]).run(gm).program
     keys = CudaGraphs(capture_sizes=[5]).capture_keys(program)

@@ -9,8 +9,7 @@ import torch
 import shapewise as sw
 from shapewise.dispatch import DispatchTable
 from shapewise.ir.program import Binding, SymbolSource
-from tests.conftest import assert_same
-from tests.helpers import dynamo_graph
+from tests.helpers import assert_same, dynamo_graph
 
 A, B = sympy.symbols("a b", integer=True, positive=True)
 

@@ -14,9 +14,8 @@ from hypothesis import strategies as st
 import shapewise as sw
 from shapewise.dispatch.guards import mutated_inputs, python_expr
 from shapewise.ir import evaluate
-from tests.concretize.test_properties import SYMS, _exprs, to_sympy
-from tests.conftest import assert_same
-from tests.helpers import dynamo_graph, graph_args, symbolic_graph
+from tests.helpers import assert_same, dynamo_graph, graph_args, symbolic_graph
+from tests.strategies import SYMS, _exprs, to_sympy
 
 
 def layout_trusting(gm, example_inputs):

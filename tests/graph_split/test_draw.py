@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ import torch
 import shapewise as sw
 from shapewise.graph_split.draw import INPUT, OUTPUT, Crossing, draw_split, piece_colour, split_dot, split_graph
 from shapewise.models import ATTENTION_OP, ToyTransformer
-from tests.helpers import dynamo_graph
+from tests.helpers import dynamo_graph, is_png
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,16 +35,6 @@ def split_program(fn=derived, *args):
     args = args or (torch.randn(6, 8), torch.randn(8, 8))
     gm = dynamo_graph(fn, *args)
     return sw.AnalyzeShapes()(sw.Split(ops=[ATTENTION_OP])(gm))
-
-
-def is_png(data: bytes) -> tuple[int, int]:
-    """Check the PNG signature and IHDR chunk; return (width, height)."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
-    length, kind = struct.unpack(">I4s", data[8:16])
-    assert kind == b"IHDR" and length == 13
-    width, height = struct.unpack(">II", data[16:24])
-    assert data.rstrip(b"\x00")[-8:-4] == b"IEND"
-    return width, height
 
 
 def test_nodes_are_input_pieces_output_in_order_with_attributes():

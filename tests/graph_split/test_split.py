@@ -12,8 +12,7 @@ import shapewise as sw
 from shapewise.graph_split import plan_split, resolve_ops
 from shapewise.ir.runner import make_runner
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, ToyTransformer
-from tests.conftest import assert_same
-from tests.helpers import dynamo_graph, symbolic_graph
+from tests.helpers import assert_before_after, assert_same, dynamo_graph, symbolic_graph
 
 
 def run_stitched(program, *args):
@@ -31,6 +30,42 @@ def two_attention(x, w):
     a = attn(q, q, q)
     b = attn(a, a, q)  # consecutive splitting ops: one piece
     return (b.reshape(x.shape[0], -1) + h).relu()
+
+
+def test_split_before_and_after_as_printed():
+    # The split program as the canonical printer shows it: the op gets a piece of its own that
+    # runs as is, the stitching graph calls the pieces in order and unpacks their outputs.
+    gm = symbolic_graph(lambda x: torch.ops.shapewise_toy.attention(x * 2, x, x) + 1, torch.randn(2, 4, 8))
+    assert_before_after(sw.Split(ops=[ATTENTION_OP]), gm, before="""
+        # graph
+        def forward(self, x_1):
+            mul = torch.ops.aten.mul.Tensor(x_1, 2)
+            attention = torch.ops.shapewise_toy.attention.default(mul, x_1, x_1)
+            add = torch.ops.aten.add.Tensor(attention, 1)
+            return add
+        """, after="""
+        # stitching graph
+        def forward(self, x_1):
+            piece_0 = self.piece_0(x_1)
+            mul = piece_0[0]
+            piece_1 = self.piece_1(mul, x_1)
+            attention = piece_1[0]
+            piece_2 = self.piece_2(attention)
+            add = piece_2[0]
+            return add
+        # piece_0
+        def forward(self, x_1):
+            mul = torch.ops.aten.mul.Tensor(x_1, 2)
+            return (mul,)
+        # piece_1 [splitting op, runs as is]
+        def forward(self, mul, x_1):
+            attention = torch.ops.shapewise_toy.attention.default(mul, x_1, x_1)
+            return (attention,)
+        # piece_2
+        def forward(self, attention):
+            add = torch.ops.aten.add.Tensor(attention, 1)
+            return (add,)
+        """)
 
 
 def test_custom_op_splits_and_consecutive_ops_share_a_piece():

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import shapewise as sw
-from tests.conftest import assert_same
+from tests.helpers import assert_same
 
 T = pytest.importorskip("transformers")
 
-from tests.models.test_zoo import VOCAB, ZOO  # noqa: E402 - config factories (hidden 32, 2 layers, 4 heads)
+from tests.models.configs import VOCAB, ZOO  # noqa: E402 - config factories (hidden 32, 2 layers, 4 heads)
 
 BATCH = 2
 LM_DIMS = {"input_ids": 1, "labels": 1}

@@ -16,8 +16,7 @@ from shapewise.instruments import Dump, Verify, max_error, random_inputs
 from shapewise.ir import Report, format_graph, format_program, format_shapes
 from shapewise.ir.program import ShapeInfo, TensorMeta
 from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
-from tests.graph_split.test_draw import is_png
-from tests.helpers import dynamo_graph
+from tests.helpers import dynamo_graph, is_png
 
 
 def toy_graph(layers: int = 1):

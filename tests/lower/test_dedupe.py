@@ -17,7 +17,7 @@ from shapewise.concretize.analyze import analyze_graph
 from shapewise.ir.keys import binding_key, graph_key
 from shapewise.ir.program import Binding
 from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
-from tests.conftest import assert_same
+from tests.helpers import assert_same
 
 
 @torch.library.custom_op("shapewise_test::barrier", mutates_args=())

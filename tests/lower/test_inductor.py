@@ -11,7 +11,7 @@ import torch
 import shapewise as sw
 from shapewise._compat import compiled_source
 from shapewise.models import ATTENTION_OP, ToyTransformer
-from tests.conftest import assert_same
+from tests.helpers import assert_same
 
 pytestmark = pytest.mark.inductor
 

@@ -20,9 +20,9 @@ import shapewise as sw
 from shapewise.lower import cache as swcache
 from shapewise.lower.cache import MAGIC, ArtifactCache, CacheCorrupt, decode, encode, resolve_cache
 from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
-from tests.conftest import assert_same
+from tests.helpers import assert_same
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "ab" * 32
 
 
@@ -49,7 +49,7 @@ def rewrite_header(path: Path, **changes) -> None:
 
 
 def run_child(*args: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.cache_child", *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "tests.lower.cache_child", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

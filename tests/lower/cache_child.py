@@ -2,7 +2,7 @@
 shapewise's artifact cache (``SHAPEWISE_CACHE_DIR``), check every answer against eager, and
 print one JSON line: {"ok", "sources", "artifacts"}.
 
-    python -m tests.cache_child --model toy --layers 8 --sizes 2,4
+    python -m tests.lower.cache_child --model toy --layers 8 --sizes 2,4
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""Lower: a compile that fails names the piece, the binding and the cause (or falls back to eager
+for that variant only, with the error in the report); a failed Inductor compile leaves nothing
+in the cache; a piece that reads a tensor's value says what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shapewise as sw
+from shapewise.lower.cache import ArtifactCache
+from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
+from tests.helpers import assert_same
+
+
+def _fails_for(n: int, piece_has: str):
+    """A backend that raises for one size, in the piece whose code mentions ``piece_has``."""
+
+    def backend(gm, example_inputs):
+        sizes = [a.shape[0] for a in example_inputs if isinstance(a, torch.Tensor) and a.dim() > 0]
+        if piece_has in gm.code and any(isinstance(s, int) and s == n for s in sizes):
+            raise RuntimeError(f"backend exploded at size {n}")
+        return gm.forward
+
+    backend.__name__ = "flaky"
+    return backend
+
+
+def test_a_failing_compile_names_the_piece_the_binding_and_the_cause():
+    model = ToyTransformer(layers=1)
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP],
+                      backend=_fails_for(4, "embedding"))
+    with pytest.raises(sw.CompileError, match=r"compiling piece_0 for \{n=4\} with backend 'flaky' failed: "
+                                              r"RuntimeError: backend exploded at size 4") as err:
+        fast(torch.randint(0, 64, (2,)))
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+
+def test_fallback_runs_the_failed_variant_eagerly_and_the_rest_compiled():
+    model = ToyTransformer(layers=1)
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP],
+                      backend=_fails_for(4, "embedding"), on_compile_error="fallback")
+    for n in (2, 4, 5, 16):
+        ids = torch.randint(0, 64, (n,))
+        assert_same(fast(ids), model(ids), f"n={n}")
+    rows = {(r["piece"], r["key"]): r for r in fast.report()}
+    assert len(rows) == 2 * 3
+    bad = rows[("piece_0", "{n=4}")]
+    assert bad["source"] == "fallback" and bad["error"] == "RuntimeError: backend exploded at size 4"
+    others = [r for k, r in rows.items() if k != ("piece_0", "{n=4}")]
+    assert all(r["source"] == "compiled" and "error" not in r for r in others)
+    assert fast.traces == 1
+
+
+@pytest.mark.inductor
+def test_a_failed_inductor_compile_leaves_nothing_in_the_cache(tmp_path):
+    # Range variants get an Inductor option that does not exist: their compiles fail (and fall
+    # back to eager), the static ones compile and are stored. The cache then holds exactly the
+    # static artifacts, each whole, and no temporary file.
+    model = MLP()
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], backend="inductor", cache=str(tmp_path),
+                      range_options={"no_such_inductor_option": True}, on_compile_error="fallback")
+    with torch.no_grad():
+        for n in (2, 4, 9):
+            x = torch.randn(n, 32)
+            assert_same(fast(x), model(x), f"n={n}")
+    rows = fast.report()
+    assert [r["source"] for r in rows] == ["compiled", "compiled", "fallback"]
+    assert "no_such_inductor_option" in rows[2]["error"]
+    cache = ArtifactCache(tmp_path)
+    assert len(cache.keys()) == 2
+    assert all(cache.load(k) is not None for k in cache.keys())
+    leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith((".swa", ".lock"))]
+    assert leftovers == []
+
+
+class _ReadsAValue(torch.nn.Module):
+    def forward(self, x):
+        return x * x.sum().item()
+
+
+def test_a_piece_that_reads_a_value_says_what_to_do():
+    fast = sw.compile(_ReadsAValue(), sizes=[2, 4], backend="aot_eager")
+    with pytest.raises(sw.CompileError, match=r"failed \(the piece reads a tensor's value: \.item\(\).*"
+                                              r"on_compile_error='fallback'"):
+        fast(torch.randn(2, 8))
+    fallback = sw.compile(_ReadsAValue(), sizes=[2, 4], backend="aot_eager", on_compile_error="fallback")
+    for n in (2, 4):
+        x = torch.randn(n, 8)
+        assert_same(fallback(x), _ReadsAValue()(x), f"n={n}")
+    assert {r["source"] for r in fallback.report()} == {"fallback"}
