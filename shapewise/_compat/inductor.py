@@ -46,59 +46,58 @@ def eager_backward() -> Iterator[None]:
         yield
 
 
-def compiled_source(fn: Any) -> str | None:
-    """The Python wrapper code Inductor generated for a compiled artifact (forward and, for
-    training graphs, backward, joined), found by walking the artifact's wrappers."""
-    found: list[str] = []
+_WRAPPER_ATTRS = ("_compiled_fn", "compiled_fn", "fn", "__wrapped__", "__self__", "_torchdynamo_orig_callable",
+                  "compiled_fw", "compiled_bw", "current_callable")
+
+
+def _wrapped(fn: Any, max_depth: int = 10) -> Iterator[Any]:
+    """``fn`` and every object behind it, breadth first: the one walk over Inductor's and
+    AOTAutograd's wrappers (attributes, closures, lists). A training artifact is a bound
+    ``CompiledFunction.apply`` whose ``__self__`` holds compiled_fw / compiled_bw; the backward
+    sits behind a dynamo-disable wrapper."""
     seen: set[int] = set()
     todo = [(fn, 0)]
     while todo:
         obj, depth = todo.pop(0)
-        if obj is None or id(obj) in seen or depth > 8:
+        if obj is None or id(obj) in seen or depth > max_depth:
             continue
         seen.add(id(obj))
-        src = getattr(obj, "source_code", None)
-        if isinstance(src, str) and src not in found:
-            found.append(src)
-        # Training artifacts: a bound ``CompiledFunction.apply`` (``__self__`` holds compiled_fw /
-        # compiled_bw); the backward sits behind a dynamo-disable wrapper.
-        for attr in ("_compiled_fn", "compiled_fn", "fn", "__wrapped__", "__self__", "_torchdynamo_orig_callable",
-                     "compiled_fw", "compiled_bw"):
+        yield obj
+        for attr in _WRAPPER_ATTRS:
             try:
                 todo.append((getattr(obj, attr, None), depth + 1))
             except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
                 continue
+        if isinstance(obj, (list, tuple)):
+            todo.extend((o, depth + 1) for o in obj)
         for cell in getattr(obj, "__closure__", None) or ():
             try:
                 todo.append((cell.cell_contents, depth + 1))
             except ValueError:
                 continue
+
+
+def compiled_source(fn: Any) -> str | None:
+    """The Python wrapper code Inductor generated for a compiled artifact (forward and, for
+    training graphs, backward, joined)."""
+    found: list[str] = []
+    for obj in _wrapped(fn):
+        src = getattr(obj, "source_code", None)
+        if isinstance(src, str) and src not in found:
+            found.append(src)
     return "\n".join(found) if found else None
 
 
 def compiled_backward(fn: Any) -> Any:
     """The compiled backward of a training artifact (AOTAutograd's ``compiled_bw``), or None:
     an inference artifact, or a backward not compiled yet (see ``eager_backward``)."""
-    seen: set[int] = set()
-    todo = [(fn, 0)]
-    while todo:
-        obj, depth = todo.pop(0)
-        if obj is None or id(obj) in seen or depth > 8:
-            continue
-        seen.add(id(obj))
+    for obj in _wrapped(fn):
         try:
             bw = getattr(obj, "compiled_bw", None)
-            if bw is not None:
-                return bw
-            todo.extend((getattr(obj, a, None), depth + 1) for a in ("_compiled_fn", "compiled_fn", "fn",
-                                                                     "__wrapped__", "__self__"))
         except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
             continue
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                todo.append((cell.cell_contents, depth + 1))
-            except ValueError:
-                continue
+        if bw is not None:
+            return bw
     return None
 
 
@@ -206,13 +205,7 @@ def kernel_binaries(artifact: Any) -> list[tuple[str, bytes]]:
 
     root = _inductor_cache_dir()
     found: dict[str, bytes] = {}
-    seen: set[int] = set()
-    todo = [(artifact, 0)]
-    while todo:
-        obj, depth = todo.pop(0)
-        if obj is None or id(obj) in seen or depth > 10:
-            continue
-        seen.add(id(obj))
+    for obj in _wrapped(artifact):
         for value in (getattr(obj, "__globals__", None) or {}).values():
             mod = getattr(value, "__self__", None)
             path = getattr(mod, "__file__", None) if isinstance(mod, types.ModuleType) else None
@@ -221,19 +214,6 @@ def kernel_binaries(artifact: Any) -> list[tuple[str, bytes]]:
                 if rel not in found and os.path.isfile(path):
                     with open(path, "rb") as f:
                         found[rel] = f.read()
-        for attr in ("_compiled_fn", "compiled_fn", "fn", "__wrapped__", "__self__", "_torchdynamo_orig_callable",
-                     "compiled_fw", "compiled_bw", "current_callable"):
-            try:
-                todo.append((getattr(obj, attr, None), depth + 1))
-            except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
-                continue
-        if isinstance(obj, (list, tuple)):
-            todo.extend((o, depth + 1) for o in obj)
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                todo.append((cell.cell_contents, depth + 1))
-            except ValueError:
-                continue
     return sorted(found.items())
 
 

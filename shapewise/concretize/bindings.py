@@ -163,58 +163,89 @@ def _is_pair(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_int(x) for x in v)
 
 
-def check_sizes(sizes: Any = (), ranges: Any = (), names: Collection[str] | None = None) -> None:
-    """Check ``sizes`` and ``ranges`` before any trace: types, sizes >= 1, sizes listed twice,
-    empty or overlapping ranges, and (given ``names``, the names of the dynamic dims) names
-    that are not dims. Raises ``ConfigError``; ``make_bindings`` checks again on the graph."""
-    of_sizes = "ints, a {name: [sizes]} dict or a list of {name: size} dicts"
+_OF_SIZES = "ints, a {name: [sizes]} dict or a list of {name: size} dicts"
+_OF_RANGES = "a list of inclusive (low, high) pairs, a {name: [(low, high)]} dict or a list of {name: range} dicts"
+
+
+def parse_sizes(sizes: Any, names: Collection[str] | None = None) -> tuple[str, Any]:
+    """``sizes`` as given, checked (ints >= 1, none twice, names that are dims when ``names``
+    is given) and in one of three forms: ``("primary", [8, 16])`` (sizes of the primary dims),
+    ``("product", {name: [sizes]})`` or ``("list", [{name: size}, ...])``. Raises ConfigError."""
+    if sizes is None:
+        return "primary", []
+    if _is_int(sizes):
+        return "primary", [_check_size(sizes, "sizes")]
     if isinstance(sizes, Mapping):
+        product = {}
         for name, v in sizes.items():
             _check_name(name, names, "sizes")
             what = f"sizes[{str(name)!r}]"
-            vals = [v] if _is_int(v) else _listing(v, what, "an int or a list of ints")
-            _no_duplicates([_check_size(x, what) for x in vals], what)
-    elif sizes is not None and not _is_int(sizes):
-        items = _listing(sizes, "sizes", of_sizes)
-        if any(isinstance(b, Mapping) for b in items):
-            if not all(isinstance(b, Mapping) for b in items):
-                raise ConfigError(f"sizes mixes ints and dicts: give {of_sizes}")
-            for b in items:
-                for name, v in b.items():
-                    _check_name(name, names, "sizes")
-                    _check_size(v, f"sizes[{str(name)!r}]")
-            _no_duplicates([dict(b) for b in items], "sizes")
-        else:
-            _no_duplicates([_check_size(v, "sizes") for v in items], "sizes")
-    elif _is_int(sizes):
-        _check_size(sizes, "sizes")
+            listed = [v] if _is_int(v) else _listing(v, what, "an int or a list of ints")
+            vals = [_check_size(x, what) for x in listed]
+            _no_duplicates(vals, what)
+            product[name] = vals
+        return "product", product
+    items = _listing(sizes, "sizes", _OF_SIZES)
+    if any(isinstance(b, Mapping) for b in items):
+        if not all(isinstance(b, Mapping) for b in items):
+            raise ConfigError(f"sizes mixes ints and dicts: give {_OF_SIZES}")
+        listed = []
+        for b in items:
+            for name in b:
+                _check_name(name, names, "sizes")
+            listed.append({name: _check_size(v, f"sizes[{str(name)!r}]") for name, v in b.items()})
+        _no_duplicates(listed, "sizes")
+        return "list", listed
+    vals = [_check_size(v, "sizes") for v in items]
+    _no_duplicates(vals, "sizes")
+    return "primary", vals
 
-    of_ranges = "a list of inclusive (low, high) pairs, a {name: [(low, high)]} dict or a list of {name: range} dicts"
+
+def parse_ranges(ranges: Any, names: Collection[str] | None = None) -> tuple[str, Any]:
+    """``ranges`` as given, checked (inclusive (low, high) pairs of ints >= 1, not empty, not
+    overlapping) and in the forms of ``parse_sizes``: ``("primary", [(lo, hi)])``,
+    ``("product", {name: [(lo, hi)]})`` or ``("list", [{name: (lo, hi) or size}])``."""
+    if ranges is None:
+        return "primary", []
     if isinstance(ranges, Mapping):
+        product = {}
         for name, v in ranges.items():
             _check_name(name, names, "ranges")
             what = f"ranges[{str(name)!r}]"
-            _no_overlap([_check_range(r, what) for r in ([v] if _is_pair(v) else _listing(v, what, "pairs"))], what)
-    elif ranges is not None:
-        items = _listing(ranges, "ranges", of_ranges)
-        if len(items) == 2 and all(_is_int(x) for x in items):
-            raise ConfigError(f"ranges must be {of_ranges}; got {ranges!r}: did you mean ranges=[{tuple(items)}]?")
-        if any(isinstance(b, Mapping) for b in items):
-            if not all(isinstance(b, Mapping) for b in items):
-                raise ConfigError(f"ranges mixes pairs and dicts: give {of_ranges}")
-            boxes = []
-            for b in items:
-                box = {}
-                for name, v in b.items():
-                    _check_name(name, names, "ranges")
-                    what = f"ranges[{str(name)!r}]"
-                    box[str(name)] = (_check_size(v, what),) * 2 if _is_int(v) else _check_range(v, what)
-                boxes.append(box)
-            for a, b in itertools.combinations(boxes, 2):
-                if a.keys() == b.keys() and all(a[k][0] <= b[k][1] and b[k][0] <= a[k][1] for k in a):
-                    raise ConfigError(f"ranges {a} and {b} overlap; each run-time size must fall in at most one range")
-        else:
-            _no_overlap([_check_range(r, "ranges") for r in items], "ranges")
+            rs = [_check_range(r, what) for r in ([v] if _is_pair(v) else _listing(v, what, "pairs"))]
+            _no_overlap(rs, what)
+            product[name] = rs
+        return "product", product
+    items = _listing(ranges, "ranges", _OF_RANGES)
+    if len(items) == 2 and all(_is_int(x) for x in items):
+        raise ConfigError(f"ranges must be {_OF_RANGES}; got {ranges!r}: did you mean ranges=[{tuple(items)}]?")
+    if any(isinstance(b, Mapping) for b in items):
+        if not all(isinstance(b, Mapping) for b in items):
+            raise ConfigError(f"ranges mixes pairs and dicts: give {_OF_RANGES}")
+        listed = []
+        for b in items:
+            box = {}
+            for name, v in b.items():
+                _check_name(name, names, "ranges")
+                what = f"ranges[{str(name)!r}]"
+                box[name] = _check_size(v, what) if _is_int(v) else _check_range(v, what)
+            listed.append(box)
+        spans = [{str(k): (v, v) if _is_int(v) else v for k, v in box.items()} for box in listed]
+        for x, y in itertools.combinations(spans, 2):
+            if x.keys() == y.keys() and all(x[k][0] <= y[k][1] and y[k][0] <= x[k][1] for k in x):
+                raise ConfigError(f"ranges {x} and {y} overlap; each run-time size must fall in at most one range")
+        return "list", listed
+    rs = [_check_range(r, "ranges") for r in items]
+    _no_overlap(rs, "ranges")
+    return "primary", rs
+
+
+def check_sizes(sizes: Any = (), ranges: Any = (), names: Collection[str] | None = None) -> None:
+    """Check ``sizes`` and ``ranges`` before any trace (``parse_sizes``, ``parse_ranges``):
+    types, sizes >= 1, sizes listed twice, empty or overlapping ranges, and (given ``names``,
+    the names of the dynamic dims) names that are not dims. Raises ``ConfigError``."""
+    parse_sizes(sizes, names)
+    parse_ranges(ranges, names)
 
 
 def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
@@ -259,67 +290,44 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
         return Binding(tuple(items))
 
     out: list[Binding] = []
-    if sizes is None:
-        sizes = ()
-    if _is_int(sizes):
-        sizes = (sizes,)
-    if isinstance(sizes, Mapping):
+    form, parsed = parse_sizes(sizes)
+    if form == "product":
         # A product over the names: the dims that share a name (input_ids' and attention_mask's
         # batch) take the same size in every binding.
-        groups = _by_name(shapes, resolve_names(shapes, sizes, "sizes"))
-        lists = [[_check_size(v, f"sizes[{name!r}]") for v in ((vals,) if _is_int(vals) else vals)]
-                 for name, (_, vals) in groups.items()]
-        for combo in itertools.product(*lists):
+        groups = _by_name(shapes, resolve_names(shapes, parsed, "sizes"))
+        for combo in itertools.product(*(vals for _, vals in groups.values())):
             out.append(complete({s: v for (syms, _), v in zip(groups.values(), combo) for s in syms}, False, "sizes"))
-    else:
-        sizes = list(sizes)
-        if sizes and all(isinstance(b, Mapping) for b in sizes):
-            for b in sizes:
-                resolved = resolve_names(shapes, b, "sizes")
-                out.append(complete({s: _check_size(v, "sizes") for s, v in resolved.items()}, False, "sizes"))
-        elif sizes:
-            fixed0 = _specialised_dim0(shapes)
-            prim = primary_symbols(shapes) if fixed0 is None else []
-            for v in sizes:
-                _check_size(v, "sizes")
-                if fixed0 is None:
-                    out.append(complete({s: v for s in prim}, False, "sizes"))
-                elif v == fixed0 and not out:  # this trace serves only the size Dynamo fixed
-                    out.append(complete({}, False, "sizes"))
+    elif form == "list":
+        out += [complete(resolve_names(shapes, b, "sizes"), False, "sizes") for b in parsed]
+    elif parsed:
+        fixed0 = _specialised_dim0(shapes)
+        prim = primary_symbols(shapes) if fixed0 is None else []
+        for v in parsed:
+            if fixed0 is None:
+                out.append(complete({s: v for s in prim}, False, "sizes"))
+            elif v == fixed0 and not out:  # this trace serves only the size Dynamo fixed
+                out.append(complete({}, False, "sizes"))
     dup = [b for i, b in enumerate(out) if b in out[:i]]
     if dup:
         raise ConfigError(f"sizes lists {dup[0].describe(shapes.names)} more than once; give each size once")
 
     range_out: list[Binding] = []
-    if ranges is None:
-        ranges = ()
-    if isinstance(ranges, Mapping):
-        groups = _by_name(shapes, resolve_names(shapes, ranges, "ranges"))
-        lists = []
-        for name, (_, v) in groups.items():
-            if isinstance(v, tuple) and len(v) == 2 and all(_is_int(x) for x in v):
-                v = [v]
-            lists.append([_check_range(r, f"ranges[{name!r}]") for r in v])
-        for combo in itertools.product(*lists):
+    form, parsed = parse_ranges(ranges)
+    if form == "product":
+        groups = _by_name(shapes, resolve_names(shapes, parsed, "ranges"))
+        for combo in itertools.product(*(rs for _, rs in groups.values())):
             range_out.append(complete({s: r for (syms, _), r in zip(groups.values(), combo) for s in syms}, True,
                                       "ranges"))
-    else:
-        ranges = list(ranges)
-        if ranges and all(isinstance(b, Mapping) for b in ranges):
-            for b in ranges:
-                resolved = resolve_names(shapes, b, "ranges")
-                part = {s: (_check_size(v, "ranges") if _is_int(v) else _check_range(v, "ranges"))
-                        for s, v in resolved.items()}
-                range_out.append(complete(part, True, "ranges"))
-        elif ranges:
-            fixed0 = _specialised_dim0(shapes)
-            prim = primary_symbols(shapes) if fixed0 is None else []
-            for r in ranges:
-                r = _check_range(r, "ranges")
-                if fixed0 is None:
-                    range_out.append(complete({s: r for s in prim}, True, "ranges"))
-                elif r[0] <= fixed0 <= r[1] and not out:
-                    out.append(complete({}, False, "ranges"))
+    elif form == "list":
+        range_out += [complete(resolve_names(shapes, b, "ranges"), True, "ranges") for b in parsed]
+    elif parsed:
+        fixed0 = _specialised_dim0(shapes)
+        prim = primary_symbols(shapes) if fixed0 is None else []
+        for r in parsed:
+            if fixed0 is None:
+                range_out.append(complete({s: r for s in prim}, True, "ranges"))
+            elif r[0] <= fixed0 <= r[1] and not out:
+                out.append(complete({}, False, "ranges"))
     _check_overlap(range_out, shapes)
     out.extend(range_out)
     if not out and not (sizes or ranges):  # the general binding: every symbol over its whole valid range

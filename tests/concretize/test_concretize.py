@@ -207,3 +207,20 @@ def test_a_range_binding_with_one_dim_pinned_compiles():
     for b in (5, 6, 8):
         x = torch.randn(b, 8)
         assert torch.equal(fast(x), _reshape_twice(x))
+
+
+def test_sizes_and_ranges_are_parsed_once_into_three_forms():
+    from shapewise.concretize.bindings import parse_ranges, parse_sizes
+
+    assert parse_sizes([1, 8]) == ("primary", [1, 8])
+    assert parse_sizes(4) == ("primary", [4])
+    assert parse_sizes({"batch": [1, 2], "seq": 8}) == ("product", {"batch": [1, 2], "seq": [8]})
+    assert parse_sizes([{"batch": 1, "seq": 8}]) == ("list", [{"batch": 1, "seq": 8}])
+    assert parse_ranges([(9, 64)]) == ("primary", [(9, 64)])
+    # One pair under a name is one range, however it is spelled ([17, 64] or (17, 64)).
+    assert parse_ranges({"seq": [17, 64]}) == parse_ranges({"seq": (17, 64)}) == ("product", {"seq": [(17, 64)]})
+    assert parse_ranges([{"batch": 2, "seq": (9, 64)}]) == ("list", [{"batch": 2, "seq": (9, 64)}])
+    with pytest.raises(sw.ConfigError, match=r"did you mean ranges=\[\(9, 64\)\]"):
+        parse_ranges((9, 64))
+    with pytest.raises(sw.ConfigError, match="not a dynamic dim.*did you mean 'seq'"):
+        parse_sizes({"sq": [1]}, names={"seq", "batch"})
