@@ -289,45 +289,35 @@ def make_bindings(shapes: ShapeInfo, sizes: Any = (), ranges: Any = (),
                 items.append((s, shapes.hints[s]))
         return Binding(tuple(items))
 
-    out: list[Binding] = []
-    form, parsed = parse_sizes(sizes)
-    if form == "product":
-        # A product over the names: the dims that share a name (input_ids' and attention_mask's
-        # batch) take the same size in every binding.
-        groups = _by_name(shapes, resolve_names(shapes, parsed, "sizes"))
-        for combo in itertools.product(*(vals for _, vals in groups.values())):
-            out.append(complete({s: v for (syms, _), v in zip(groups.values(), combo) for s in syms}, False, "sizes"))
-    elif form == "list":
-        out += [complete(resolve_names(shapes, b, "sizes"), False, "sizes") for b in parsed]
-    elif parsed:
-        fixed0 = _specialised_dim0(shapes)
-        prim = primary_symbols(shapes) if fixed0 is None else []
-        for v in parsed:
-            if fixed0 is None:
-                out.append(complete({s: v for s in prim}, False, "sizes"))
-            elif v == fixed0 and not out:  # this trace serves only the size Dynamo fixed
-                out.append(complete({}, False, "sizes"))
+    def bind(what: str, form: str, parsed: Any, ranged: bool) -> list[Binding]:
+        if form == "product":
+            # A product over the names: the dims that share a name (input_ids' and attention_mask's
+            # batch) take the same size in every binding.
+            groups = _by_name(shapes, resolve_names(shapes, parsed, what))
+            return [complete({s: v for (syms, _), v in zip(groups.values(), combo) for s in syms}, ranged, what)
+                    for combo in itertools.product(*(vals for _, vals in groups.values()))]
+        if form == "list":
+            return [complete(resolve_names(shapes, b, what), ranged, what) for b in parsed]
+        prim = primary_symbols(shapes) if parsed else []
+        return [complete({s: v for s in prim}, ranged, what) for v in parsed]
+
+    # A trace whose dim 0 Dynamo fixed (its first trace, at batch 1) serves only that size: one
+    # binding, when a primary size or range holds it.
+    fixed0 = _specialised_dim0(shapes)
+    (s_form, s_parsed), (r_form, r_parsed) = parse_sizes(sizes), parse_ranges(ranges)
+    if s_form == "primary" and fixed0 is not None:
+        out = [complete({}, False, "sizes")] if fixed0 in s_parsed else []
+    else:
+        out = bind("sizes", s_form, s_parsed, False)
     dup = [b for i, b in enumerate(out) if b in out[:i]]
     if dup:
         raise ConfigError(f"sizes lists {dup[0].describe(shapes.names)} more than once; give each size once")
-
     range_out: list[Binding] = []
-    form, parsed = parse_ranges(ranges)
-    if form == "product":
-        groups = _by_name(shapes, resolve_names(shapes, parsed, "ranges"))
-        for combo in itertools.product(*(rs for _, rs in groups.values())):
-            range_out.append(complete({s: r for (syms, _), r in zip(groups.values(), combo) for s in syms}, True,
-                                      "ranges"))
-    elif form == "list":
-        range_out += [complete(resolve_names(shapes, b, "ranges"), True, "ranges") for b in parsed]
-    elif parsed:
-        fixed0 = _specialised_dim0(shapes)
-        prim = primary_symbols(shapes) if fixed0 is None else []
-        for r in parsed:
-            if fixed0 is None:
-                range_out.append(complete({s: r for s in prim}, True, "ranges"))
-            elif r[0] <= fixed0 <= r[1] and not out:
-                out.append(complete({}, False, "ranges"))
+    if r_form == "primary" and fixed0 is not None:
+        if not out and any(lo <= fixed0 <= hi for lo, hi in r_parsed):
+            out.append(complete({}, False, "ranges"))
+    else:
+        range_out = bind("ranges", r_form, r_parsed, True)
     _check_overlap(range_out, shapes)
     out.extend(range_out)
     if not out and not (sizes or ranges):  # the general binding: every symbol over its whole valid range
