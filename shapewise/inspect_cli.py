@@ -104,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 2
     import shapewise as sw
-    from shapewise.display import piece_rows, text_table
+    from shapewise.display import piece_rows
+    from shapewise.ir import text_table
 
     try:
         factory = load_factory(args.model) if args.model else toy_factory

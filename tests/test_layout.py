@@ -43,3 +43,18 @@ def test_no_import_cycle_between_modules():
     g.remove_node("shapewise")
     cycles = list(nx.simple_cycles(g))
     assert not cycles, f"import cycles: {cycles[:5]}"
+
+
+def test_every_public_name_is_there():
+    import importlib
+    import pkgutil
+
+    import shapewise
+
+    missing = []
+    for info in pkgutil.walk_packages(shapewise.__path__, "shapewise."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        missing += [f"{info.name}.{n}" for n in getattr(module, "__all__", ()) if not hasattr(module, n)]
+    assert not missing, f"names in __all__ that the module lacks: {missing}"
