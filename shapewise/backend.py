@@ -51,6 +51,7 @@ def build_pipeline(
     cache: Any = None,
     dedupe: bool = True,
     progress: bool | None = None,
+    lean: bool = True,
 ) -> Pipeline:
     """The standard pipeline for the given options."""
     passes: list[Any] = [
@@ -58,7 +59,7 @@ def build_pipeline(
         Concretize(sizes=sizes, ranges=ranges, refused=refused, fixed=dict(fixed or {})),
         Lower(backend=backend, options=options or (), static_options=static_options or (),
               range_options=range_options or (), on_compile_error=on_compile_error,
-              compile=compile, cache=cache, dedupe=dedupe, progress=progress),
+              compile=compile, cache=cache, dedupe=dedupe, progress=progress, lean=lean),
     ]
     if cudagraphs and compile != "eager_all":
         raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")
@@ -74,7 +75,7 @@ def build_pipeline(
 
 _PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "backend", "options", "static_options", "range_options",
                   "on_compile_error", "instruments", "cudagraphs", "capture_sizes", "compile", "cache", "dedupe",
-                  "progress"}
+                  "progress", "lean"}
 
 
 def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,

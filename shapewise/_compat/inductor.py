@@ -11,8 +11,8 @@ import torch
 import torch.fx
 
 __all__ = [
-    "aot_eager", "artifact_bytes", "backward_source", "build_fingerprint", "compiled_backward",
-    "compiled_source", "eager_backward", "inductor_config_fingerprint", "install_kernel_binaries",
+    "aot_eager", "artifact_bytes", "autocast_enabled", "backward_source", "build_fingerprint", "compiled_backward",
+    "compiled_source", "eager_backward", "inductor_config_fingerprint", "inference_entry", "install_kernel_binaries",
     "kernel_binaries", "load_artifact", "standalone_compile",
 ]
 
@@ -99,6 +99,35 @@ def compiled_backward(fn: Any) -> Any:
         if bw is not None:
             return bw
     return None
+
+
+def inference_entry(artifact: Any) -> tuple[Any, list[Any]] | None:
+    """(Inductor's ``CompiledFxGraph``, the parameters AOTAutograd prepends to every call) of an
+    inference artifact, or None when it is not one (a training artifact, a non-Inductor
+    callable) or its wrappers are not the known chain. The graph's ``current_callable(list)``
+    is what the artifact's runtime wrappers end up calling."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    graphs, params = [], None
+    for obj in _wrapped(artifact):
+        if isinstance(obj, CompiledFxGraph):
+            graphs.append(obj)
+        code = getattr(obj, "__code__", None)
+        if code is not None and "params_buffers_flat" in code.co_freevars and getattr(obj, "__closure__", None):
+            params = obj.__closure__[code.co_freevars.index("params_buffers_flat")].cell_contents
+        try:
+            if getattr(obj, "compiled_bw", None) is not None:
+                return None
+        except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
+            continue
+    if len(graphs) != 1 or params is None or not callable(getattr(graphs[0], "current_callable", None)):
+        return None
+    return graphs[0], list(params)
+
+
+#: ``autocast_enabled()``: whether any autocast (CPU, CUDA, ...) is on in this thread (the C
+#: function itself: it is called on the hot path).
+autocast_enabled = torch._C._is_any_autocast_enabled
 
 
 def backward_source(fn: Any) -> str | None:

@@ -25,7 +25,6 @@ every input before the runnable is called (a new dtype or layout makes Dynamo tr
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,10 +35,11 @@ import torch.fx
 from shapewise import _compat
 from shapewise.dispatch.table import key_function
 from shapewise.errors import InputMismatch
+from shapewise.ir.effects import mutated_inputs
 from shapewise.ir.program import Binding, Program, ShapeInfo, SymbolSource, TensorMeta
 from shapewise.ir.symbolic import evaluate
 
-__all__ = ["InputGuards", "mutated_inputs", "python_expr"]
+__all__ = ["InputGuards", "python_expr"]
 
 GUARDED_BY_DYNAMO = "dynamo"
 
@@ -75,54 +75,6 @@ def python_expr(expr: Any, names: Mapping[sympy.Symbol, str]) -> str:
     if isinstance(e, (_compat.Min, sympy.Min)):
         return f"min({', '.join(args)})"
     raise NotImplementedError(f"no Python spelling for {type(e).__name__} in {expr}")
-
-
-# -- which inputs the graph writes to -------------------------------------------------------
-
-def _written_args(node: torch.fx.Node) -> list[Any]:
-    """The arguments ``node`` may write to (conservative: in-place methods and functions,
-    ``out=``, ``inplace=True``, setitem, and ops whose schema marks an argument as written)."""
-    if node.op == "call_method":
-        name = str(node.target)
-        return [node.args[0]] if name.endswith("_") and not name.startswith("_") else []
-    if node.op != "call_function":
-        return []
-    out = [node.kwargs["out"]] if "out" in node.kwargs else []
-    if node.kwargs.get("inplace") is True:
-        out.append(node.args[0])
-    target = node.target
-    name = getattr(target, "__name__", "")
-    if target is operator.setitem or (name.endswith("_") and not name.startswith("_")):
-        out.append(node.args[0])
-    schema = _compat.op_schema(target)
-    if schema is not None:
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                if i < len(node.args):
-                    out.append(node.args[i])
-                elif a.name in node.kwargs:
-                    out.append(node.kwargs[a.name])
-    return out
-
-
-def mutated_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
-    """Positions of the placeholders whose memory the graph may write (through any view)."""
-    storage_of: dict[Any, int] = {}
-    for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
-        v = _compat.node_value(n)
-        if isinstance(v, torch.Tensor):
-            storage_of.setdefault(_compat.storage_key(v), i)
-    out = set()
-    for node in gm.graph.nodes:
-        for arg in _written_args(node):
-            flat = arg if isinstance(arg, (list, tuple)) else [arg]
-            for a in flat:
-                v = _compat.node_value(a) if isinstance(a, torch.fx.Node) else None
-                if isinstance(v, torch.Tensor):
-                    i = storage_of.get(_compat.storage_key(v))
-                    if i is not None:
-                        out.add(i)
-    return frozenset(out)
 
 
 # -- the guards -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch.fx
 
 from shapewise import _compat
 from shapewise.errors import CompileError, ConfigError
+from shapewise.ir.effects import mutated_inputs, outputs_alias
 from shapewise.ir.keys import binding_key, graph_key
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta, Variant
 from shapewise.lower.cache import ArtifactCache, resolve_cache
@@ -111,6 +112,48 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
                 f"hold over the whole range: {'; '.join(bad)}; split the range or compile those sizes statically"
             )
     return fn
+
+
+def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callable[..., Any] | None:
+    """``fn`` (an Inductor artifact) called as its runtime wrappers end up calling it, without
+    them, where they have nothing to do; None where they do.
+
+    AOTAutograd wraps each artifact in a chain (a dynamo-disable context, the runtime wrapper,
+    the compiled graph's own ``__call__``) that on the toy Llama costs 7-35 µs per piece per call
+    on a 2-core CPU (benchmarks/bench_host.py). The chain has work only for: training graphs
+    (a backward), inputs the graph writes or that alias each other (mutations applied back,
+    duplicate and synthetic-base arguments), outputs that alias an input or each other
+    (regenerated as views), and autocast (the compiled code runs with it off). A piece with
+    none of these calls the compiled module's ``call(list)`` directly with the parameters
+    AOTAutograd prepends. The first call, and any call under autocast, goes through ``fn``.
+    """
+    args = [a for a in variant.example_args if isinstance(a, torch.Tensor)]
+    if any(a.requires_grad for a in args) and torch.is_grad_enabled():
+        return None
+    if len({_compat.storage_key(a) for a in args}) != len(args):
+        return None
+    if mutated_inputs(piece.gm) or outputs_alias(piece.gm):
+        return None
+    hops = [n for n in piece.gm.graph.nodes if (_compat.op_key(n.target) or "").startswith("hop:")]
+    if hops:  # higher-order ops (effects, autocast regions, wrappers): keep the runtime's handling
+        return None
+    entry = _compat.inference_entry(fn)
+    if entry is None:
+        return None
+    graph, params = entry
+    autocast = _compat.autocast_enabled
+    inner: Callable[..., Any] | None = None
+
+    def call(*args: Any) -> Any:
+        nonlocal inner
+        if inner is None or autocast():
+            out = fn(*args)
+            inner = graph.current_callable
+            return out
+        return inner([*params, *args])
+
+    call.__wrapped__ = fn  # type: ignore[attr-defined] - the artifact, for its generated code
+    return call
 
 
 def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:
@@ -279,6 +322,9 @@ class CompileSession:
                 raise CompileError(msg) from e
             log.warning("shapewise: %s; running this variant eagerly instead", msg)
             fn, source, error = piece.gm.forward, "fallback", f"{type(e).__name__}: {e}"
+        lean = lean_call(fn, piece, variant) if source != "fallback" and lower.backend == "inductor" and lower.lean \
+            else None
+        fn = lean or fn
         report = {
             "piece": piece.name,
             "key": variant.binding.describe(names),
@@ -287,6 +333,7 @@ class CompileSession:
             "source": source,
             "backend": lower.backend_name,
             "artifact": key[:12] if key else None,
+            "lean": lean is not None,
         }
         if error:
             report["error"] = error
@@ -352,6 +399,8 @@ class Lower(Pass):
     ``dedupe``: pieces with the same content share one artifact per binding.
     ``cache``: None (the default folder unless ``SHAPEWISE_CACHE=0``), False, True or a folder;
     only Inductor artifacts are cached. ``progress``: None (a bar on a terminal), True, False.
+    ``lean``: call Inductor inference artifacts past AOTAutograd's runtime wrappers where those
+    have nothing to do (see ``lean_call``; the report's ``lean`` column says where).
     """
 
     name: ClassVar[str] = "lower"
@@ -364,6 +413,7 @@ class Lower(Pass):
     cache: Any = None
     dedupe: bool = True
     progress: Any = None
+    lean: bool = True
 
     def __post_init__(self) -> None:
         if not callable(self.backend) and self.backend not in BACKENDS:
@@ -375,6 +425,8 @@ class Lower(Pass):
             raise ConfigError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if not isinstance(self.cache, (type(None), bool, str, os.PathLike, ArtifactCache)) or self.cache == "":
             raise ConfigError(f"cache must be None (default), True, False or a folder path, got {self.cache!r}")
+        if not isinstance(self.lean, bool):
+            raise ConfigError(f"lean must be True or False, got {self.lean!r}")
         if not isinstance(self.dedupe, bool):
             raise ConfigError(f"dedupe must be True or False, got {self.dedupe!r}")
         if self.progress not in (None, True, False):

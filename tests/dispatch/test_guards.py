@@ -12,8 +12,9 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import shapewise as sw
-from shapewise.dispatch.guards import mutated_inputs, python_expr
+from shapewise.dispatch.guards import python_expr
 from shapewise.ir import evaluate
+from shapewise.ir.effects import mutated_inputs
 from tests.helpers import assert_same, dynamo_graph, graph_args, symbolic_graph
 from tests.strategies import SYMS, _exprs, to_sympy
 

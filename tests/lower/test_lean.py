@@ -1,0 +1,98 @@
+"""Lean calls: an Inductor inference variant is called past AOTAutograd's runtime wrappers only
+where they have nothing to do, and gives the wrapped call's answers at every size; variants
+whose wrappers have work (an output aliasing an input, an input written, training, a call
+under autocast) keep them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shapewise as sw
+from shapewise.models import ATTENTION_OP
+from tests.helpers import assert_same, dynamo_graph, graph_args
+
+pytestmark = pytest.mark.inductor
+
+
+class Mixed(torch.nn.Module):
+    """piece_0 returns a view of its input (an alias: not lean); piece_2 computes (lean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = x.view(x.shape[0], 2, 8)  # a view of the input crosses into the splitting op
+        a = torch.ops.shapewise_toy.attention(q, q, q)
+        return self.w(a.reshape(x.shape[0], 16)).relu()
+
+
+def _lean_by_piece(fast) -> dict[str, set[bool]]:
+    out: dict[str, set[bool]] = {}
+    for row in fast.report():
+        out.setdefault(row["piece"], set()).add(row["lean"])
+    return out
+
+
+def test_lean_where_the_wrappers_have_nothing_to_do_and_the_same_answers():
+    model = Mixed().eval()
+    fast = sw.compile(model, sizes=[1, 4], ranges=[(5, 32)], splitting_ops=[ATTENTION_OP], backend="inductor",
+                      cache=False)
+    wrapped = sw.compile(model, sizes=[1, 4], ranges=[(5, 32)], splitting_ops=[ATTENTION_OP], backend="inductor",
+                         cache=False, lean=False)
+    with torch.no_grad():
+        for n in (1, 4, 5, 17, 32, 4, 1):  # repeated sizes: the second call of a variant is the lean one
+            x = torch.randn(n, 16)
+            assert_same(fast(x), model(x), f"n={n}")
+            assert_same(fast(x), wrapped(x), f"n={n} (wrapped)")
+    lean = _lean_by_piece(fast)
+    assert lean["piece_0"] == {False}, "piece_0 returns a view of its input: AOTAutograd regenerates it"
+    assert lean["piece_2"] == {True}
+    assert all(v == {False} for v in _lean_by_piece(wrapped).values())
+
+
+def test_not_lean_when_a_piece_writes_its_input_or_trains():
+    class Writes(torch.nn.Module):
+        def forward(self, x, buf):
+            buf.add_(x.sum(0))
+            return x * 2 + buf
+
+    fast = sw.compile(Writes(), sizes=[2, 3], backend="inductor", cache=False, dynamic_dims={"x": 0})
+    buf, ref_buf = torch.zeros(4), torch.zeros(4)
+    with torch.no_grad():
+        for n in (2, 3, 2, 3):
+            x = torch.randn(n, 4)
+            assert_same(fast(x, buf), Writes()(x, ref_buf), f"n={n}")
+            assert_same(buf, ref_buf, f"n={n}: the write reaches the caller's tensor")
+    assert {r["lean"] for r in fast.report()} == {False}
+
+    model = torch.nn.Linear(8, 8)
+    train = sw.compile(model, sizes=[2, 3], backend="inductor", cache=False)
+    x = torch.randn(3, 8)
+    train(x).sum().backward()
+    assert {r["lean"] for r in train.report()} == {False}
+
+
+def test_a_call_under_autocast_answers_as_the_wrapped_call():
+    # Through sw.compile Dynamo traces again under autocast; a Pipeline runnable has no Dynamo in
+    # front, so its lean variants see the autocast call themselves and take the wrapped path.
+    def f(x, w):
+        q = x.view(x.shape[0], 2, 8)
+        return (torch.ops.shapewise_toy.attention(q, q, q).reshape(x.shape[0], 16) @ w).relu()
+
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+    gm = dynamo_graph(f, x, w)
+
+    def runnable(lean):
+        return sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[4]),
+                            sw.Lower(backend="inductor", cache=False, lean=lean)]).run(gm)
+
+    lean, wrapped = runnable(True), runnable(False)
+    args = graph_args(gm, x, w)
+    with torch.no_grad():
+        lean(*args), lean(*args)  # compiled, then lean
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, expected = lean(*args), wrapped(*args)
+    assert_same(got, expected, "under autocast")
+    assert any(r["lean"] for r in lean.report())
