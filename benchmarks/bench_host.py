@@ -89,6 +89,7 @@ def breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int, sync: Callabl
         "runnable (key + lookup + runner)": lambda: runnable(*args),
         "runner (generated, pieces in order)": lambda: runner(*args),
         "key (read sizes)": lambda: runnable._key(args),
+        "dispatch (key + lookup, no runner)": lambda: runnable._exact.get(runnable._key(args)),
     }
     seq = [(callables[p.name], piece_args[p.name]) for p in program.pieces]
 
