@@ -19,6 +19,7 @@ from shapewise.graph_split import Split
 from shapewise.ir.program import Program
 from shapewise.lower import Lower
 from shapewise.passes import Instrument, Pipeline
+from shapewise.rewrite import Rewrite
 
 __all__ = ["build_pipeline", "shapewise_backend"]
 
@@ -52,11 +53,15 @@ def build_pipeline(
     dedupe: bool = True,
     progress: bool | None = None,
     lean: bool = True,
+    graph_passes: Sequence[Any] = (),
+    inductor_passes: Sequence[Any] = (),
 ) -> Pipeline:
     """The standard pipeline for the given options."""
     passes: list[Any] = [
         Split(ops=_op_list(splitting_ops)),
         Concretize(sizes=sizes, ranges=ranges, refused=refused, fixed=dict(fixed or {})),
+        *([Rewrite(passes=tuple(graph_passes), inductor_passes=tuple(inductor_passes))]
+          if graph_passes or inductor_passes else []),
         Lower(backend=backend, options=options or (), static_options=static_options or (),
               range_options=range_options or (), on_compile_error=on_compile_error,
               compile=compile, cache=cache, dedupe=dedupe, progress=progress, lean=lean),
@@ -75,7 +80,7 @@ def build_pipeline(
 
 _PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "backend", "options", "static_options", "range_options",
                   "on_compile_error", "instruments", "cudagraphs", "capture_sizes", "compile", "cache", "dedupe",
-                  "progress", "lean"}
+                  "progress", "lean", "graph_passes", "inductor_passes"}
 
 
 def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,

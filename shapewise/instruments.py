@@ -130,6 +130,10 @@ class Dump(Instrument):
                 kind = "splitting op, runs as is" if piece.is_splitting else "compute piece"
                 files[f"{piece.name}.py"] = f"# {piece.name}: {kind}\n{format_graph(piece.gm)}\n"
                 for v in piece.variants:
+                    if v.gm is not None:  # rewritten by graph passes: the variant's own graph
+                        files[f"{piece.name}.{_file_part(v.binding.describe(names))}.rewritten.py"] = \
+                            f"# {piece.name} at {v.binding.describe(names)} after {', '.join(v.passes)}\n" \
+                            f"{format_graph(v.gm)}\n"
                     src = variant_source(v)
                     if src:
                         files[f"{piece.name}.{_file_part(v.binding.describe(names))}.py"] = src

@@ -4,6 +4,7 @@ artifacts the on-disk cache stores (bytes, kernel binaries, build fingerprints).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch.fx
 __all__ = [
     "aot_eager", "artifact_bytes", "autocast_enabled", "backward_source", "build_fingerprint", "compiled_backward",
     "compiled_source", "eager_backward", "inductor_config_fingerprint", "inference_entry", "install_kernel_binaries",
-    "kernel_binaries", "load_artifact", "standalone_compile",
+    "kernel_binaries", "load_artifact", "post_grad_pass", "standalone_compile",
 ]
 
 
@@ -128,6 +129,22 @@ def inference_entry(artifact: Any) -> tuple[Any, list[Any]] | None:
 #: ``autocast_enabled()``: whether any autocast (CPU, CUDA, ...) is on in this thread (the C
 #: function itself: it is called on the hot path).
 autocast_enabled = torch._C._is_any_autocast_enabled
+
+
+def post_grad_pass(passes: Sequence[Any]) -> Any:
+    """One Inductor ``CustomGraphPass`` (for the ``post_grad_custom_post_pass`` option) that runs
+    ``passes`` (callables on the post-grad ``torch.fx.Graph``, each with a ``uuid()``) in order."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _Chain(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for p in passes:
+                p(graph)
+
+        def uuid(self) -> str:
+            return hashlib.sha256("|".join(p.uuid() for p in passes).encode()).hexdigest()
+
+    return _Chain()
 
 
 def backward_source(fn: Any) -> str | None:

@@ -73,6 +73,15 @@ def _layout_note(piece: Piece, variant: Variant) -> str:
     return "; eager's layout at this size: " + ", ".join(notes) if notes else ""
 
 
+def _passes_note(v: Variant) -> str:
+    """``; rewritten by a{...}, b; inductor passes: c``: the passes applied to this variant."""
+    graph = [u.split(":", 1)[-1].rsplit("@", 1)[0] for u in v.passes]
+    note = f"; rewritten by {', '.join(graph)} (its graph below)" if graph else ""
+    if v.inductor_passes:
+        note += f"; inductor passes: {', '.join(p.spec() for p in v.inductor_passes)}"
+    return note
+
+
 def format_program(program: Program) -> str:
     """Pieces, shapes, bindings and the dispatch table of a program, as text."""
     out = []
@@ -86,11 +95,12 @@ def format_program(program: Program) -> str:
         for p in program.pieces:
             tag = " [splitting op, runs as is]" if p.is_splitting else ""
             out.append(f"# {p.name}{tag}\n" + format_graph(p.gm))
-            if p.variants:
-                out.append("\n".join(
-                    f"#   variant {v.binding.describe(p.shapes.names if p.shapes else {})}: "
-                    + ("compiled" if v.compiled is not None else "not compiled") + _layout_note(p, v)
-                    for v in p.variants))
+            for v in p.variants:
+                out.append(f"#   variant {v.binding.describe(p.shapes.names if p.shapes else {})}: "
+                           + ("compiled" if v.compiled is not None else "not compiled") + _layout_note(p, v)
+                           + _passes_note(v))
+                if v.gm is not None:
+                    out.append("\n".join("#     " + ln for ln in format_graph(v.gm).splitlines()))
     else:
         out.append("# graph\n" + format_graph(program.gm))
     if program.dispatch is not None:

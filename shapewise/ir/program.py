@@ -168,12 +168,20 @@ class Binding:
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled version of a piece for one binding."""
+    """One compiled version of a piece for one binding.
+
+    ``gm``: this variant's own graph when graph passes rewrote it (None: the piece's graph);
+    ``passes``: the ``uuid()`` of each graph pass applied, in order; ``inductor_passes``: the
+    post-grad passes Inductor runs when it compiles this variant.
+    """
 
     binding: Binding
     example_args: tuple[Any, ...] = ()
     compiled: Callable[..., Any] | None = None
     report: Mapping[str, Any] = field(default_factory=dict)
+    gm: torch.fx.GraphModule | None = None
+    passes: tuple[str, ...] = ()
+    inductor_passes: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -185,6 +193,10 @@ class Piece:
     is_splitting: bool = False
     shapes: ShapeInfo | None = None
     variants: tuple[Variant, ...] = ()
+
+    def as_compiled_for(self, variant: Variant) -> Piece:
+        """This piece with the graph ``variant`` compiles: its rewritten one, if graph passes made one."""
+        return self if variant.gm is None else dataclasses.replace(self, gm=variant.gm)
 
     def variant_for(self, binding: Binding) -> Variant | None:
         for v in self.variants:
@@ -226,12 +238,16 @@ class Program:
         return dataclasses.replace(self, **changes)
 
     def callables(self, binding: Binding | None) -> dict[str, Callable[..., Any]]:
-        """{piece name: what runs it at ``binding``}: the compiled variant, or the piece's own
-        ``forward`` (splitting pieces, uncompiled variants, and every piece when ``binding`` is None)."""
+        """{piece name: what runs it at ``binding``}: the compiled variant, or else the graph's own
+        ``forward`` (the variant's rewritten graph, or the piece's: splitting pieces, uncompiled
+        variants, and every piece when ``binding`` is None)."""
         out = {}
         for p in self.pieces:
             v = None if p.is_splitting or binding is None else p.variant_for(binding)
-            out[p.name] = v.compiled if v is not None and v.compiled is not None else p.gm.forward
+            if v is not None and v.compiled is not None:
+                out[p.name] = v.compiled
+            else:
+                out[p.name] = (v.gm if v is not None and v.gm is not None else p.gm).forward
         return out
 
     @property

@@ -268,6 +268,8 @@ class CompileSession:
             f"grad={torch.is_grad_enabled()}",
             f"backend={self.backend_id}",
             f"options={options}",
+            f"passes={list(variant.passes)}",
+            f"inductor_passes={[p.uuid() for p in variant.inductor_passes]}",
         ]
         disk = self.cache is not None and " at 0x" not in options
         if self.lower.backend == "inductor":
@@ -286,9 +288,16 @@ class CompileSession:
         t0 = time.perf_counter()
         source, error = "compiled", None
         key, disk = None, False
+        piece = piece.as_compiled_for(variant)  # the variant's own graph, where graph passes rewrote it
+        if variant.inductor_passes and lower.backend != "inductor":
+            raise ConfigError(f"inductor passes ({', '.join(p.spec() for p in variant.inductor_passes)}) run inside "
+                              f"Inductor, but Lower's backend is {lower.backend_name!r}: use backend='inductor'")
 
         def compile_it() -> Callable[..., Any]:
-            return lower_variant(piece, variant, lower.backend, lower.options_for(variant.binding))
+            options = lower.options_for(variant.binding)
+            if variant.inductor_passes:
+                options["post_grad_custom_post_pass"] = _compat.post_grad_pass(variant.inductor_passes)
+            return lower_variant(piece, variant, lower.backend, options)
 
         try:
             key, disk = self.variant_key(piece, variant)
@@ -322,8 +331,9 @@ class CompileSession:
                 raise CompileError(msg) from e
             log.warning("shapewise: %s; running this variant eagerly instead", msg)
             fn, source, error = piece.gm.forward, "fallback", f"{type(e).__name__}: {e}"
+        # A rewritten graph's nodes carry no fake values to decide from: it keeps its wrappers.
         lean = lean_call(fn, piece, variant) if source != "fallback" and lower.backend == "inductor" and lower.lean \
-            else None
+            and variant.gm is None else None
         fn = lean or fn
         report = {
             "piece": piece.name,
@@ -334,6 +344,8 @@ class CompileSession:
             "backend": lower.backend_name,
             "artifact": key[:12] if key else None,
             "lean": lean is not None,
+            "passes": ", ".join([p.split(":", 1)[-1].rsplit("@", 1)[0] for p in variant.passes]
+                                + [p.spec() for p in variant.inductor_passes]),
         }
         if error:
             report["error"] = error

@@ -13,6 +13,7 @@ from shapewise.passes.base import (
     register_pass,
     register_runnable,
 )
+from shapewise.passes.graph_pass import GraphPass, InductorPass, Sizes
 
-__all__ = ["Instrument", "Pass", "PassRecord", "Pipeline", "PrintAfter", "Timing", "parse_spec", "register_pass",
-           "register_runnable"]
+__all__ = ["GraphPass", "InductorPass", "Instrument", "Pass", "PassRecord", "Pipeline", "PrintAfter", "Sizes",
+           "Timing", "parse_spec", "register_pass", "register_runnable"]

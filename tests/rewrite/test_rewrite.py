@@ -1,0 +1,199 @@
+"""Rewrite: graph passes per (piece, variant), gated by sizes; visible in the report and the
+printer, checked by Verify, part of the content key; Inductor post-grad passes the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+from torch.fx import subgraph_rewriter
+
+import shapewise as sw
+from shapewise.lower import Lower
+from shapewise.models import ATTENTION_OP
+from tests.helpers import assert_same, dynamo_graph, graph_args
+
+
+def model(x, w):
+    q = (x @ w).view(x.shape[0], 2, 8)
+    a = torch.ops.shapewise_toy.attention(q, q, q).reshape(x.shape[0], 16)
+    return torch.relu(a @ w) + 1
+
+
+def _relu(x):
+    return torch.relu(x)
+
+
+def _clamp(x):
+    return torch.clamp_min(x, 0.0)
+
+
+@dataclass(frozen=True)
+class ReluToClamp(sw.GraphPass):
+    """relu -> clamp_min(x, 0) at sizes up to ``limit`` (the same function: a visible rewrite)."""
+
+    name: ClassVar[str] = "relu_to_clamp"
+    limit: int = 2
+
+    def applies(self, sizes):
+        return all(isinstance(v, int) and v <= self.limit for v in sizes.values())
+
+    def rewrite(self, gm, sizes):
+        subgraph_rewriter.replace_pattern(gm, _relu, _clamp)
+        return gm
+
+
+@dataclass(frozen=True)
+class DropRelu(ReluToClamp):
+    """A wrong rewrite (relu removed) at small sizes: Verify must catch it."""
+
+    name: ClassVar[str] = "drop_relu"
+
+    def rewrite(self, gm, sizes):
+        subgraph_rewriter.replace_pattern(gm, _relu, lambda x: x * 1.0)
+        return gm
+
+
+def _targets(gm):
+    return {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def test_a_pass_rewrites_only_the_variants_it_applies_to_and_answers_stay_right():
+    w = torch.randn(16, 16)
+    fast = sw.compile(model, sizes=[1, 2, 4, 8], ranges=[(9, 32)], splitting_ops=[ATTENTION_OP], backend="aot_eager",
+                      dynamic_dims={"x": 0}, graph_passes=[ReluToClamp(limit=2)])
+    for n in (1, 2, 4, 8, 9, 20, 32):
+        x = torch.randn(n, 16)
+        assert_same(fast(x, w), model(x, w), f"n={n}")
+    last = fast.program.compute_pieces[-1]
+    for v in last.variants:
+        small = v.binding.is_static and v.binding.key[0] <= 2
+        assert (v.gm is not None) == small, v.binding
+        if small:
+            assert "clamp_min" in _targets(v.gm) and "relu" not in _targets(v.gm)
+            assert v.passes and "relu_to_clamp{limit=2}@1" in v.passes[0]
+    assert "relu" in _targets(last.gm)  # the piece's own graph is untouched
+    rows = [r for r in fast.report() if r["piece"] == last.name]
+    assert [r["passes"] for r in rows] == ["relu_to_clamp{limit=2}"] * 2 + [""] * 3
+    text = str(fast.program)
+    assert "rewritten by relu_to_clamp{limit=2} (its graph below)" in text and "clamp_min" in text
+    # the first piece has no relu: no variant of it was copied
+    assert all(v.gm is None for v in fast.program.compute_pieces[0].variants)
+
+
+def test_the_pipeline_form_printafter_and_verify_see_rewritten_variants():
+    w = torch.randn(16, 16)
+    gm = dynamo_graph(model, torch.randn(4, 16), w)
+    printed: list[str] = []
+    verify = sw.Verify(passes=("rewrite",))
+    sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[2, 4]), sw.Rewrite(passes=[DropRelu(limit=2)]),
+                 sw.Lower(backend="aot_eager")],
+                instruments=[sw.PrintAfter(passes=("rewrite",), out=printed.append), verify]).run(gm)
+    assert len(printed) == 1 and "rewrite{passes=drop_relu}" in printed[0] and "mul" in printed[0]
+    ok = {r["size"]: r["ok"] for r in verify.rows}
+    assert ok == {"{s0=2}": False, "{s0=4}": True} or (list(ok.values()) == [False, True]), verify.rows
+
+
+def test_content_keys_tell_rewritten_variants_apart():
+    w = torch.randn(16, 16)
+    gm = dynamo_graph(model, torch.randn(4, 16), w)
+    program = sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[2])])(gm)
+    piece = program.compute_pieces[-1]
+    plain = piece.variants[0]
+    rewritten = sw.Rewrite(passes=[ReluToClamp()])(program).compute_pieces[-1].variants[0]
+    same_graph = type(plain)(plain.binding, plain.example_args, passes=("some.Pass:x@1",))
+    session = Lower(backend="aot_eager").session()
+    keys = {session.variant_key(piece, v)[0] for v in (plain, same_graph)}
+    keys.add(session.variant_key(piece.as_compiled_for(rewritten), rewritten)[0])
+    assert len(keys) == 3  # a pass, even one that changed nothing, never shares an artifact without it
+
+
+@pytest.mark.parametrize("bad, fragment", [
+    (lambda gm, sizes: 1 / 0, "raised ZeroDivisionError"),
+    (lambda gm, sizes: None, "returned NoneType"),
+])
+def test_a_broken_pass_names_itself_the_piece_and_the_sizes(bad, fragment):
+    @dataclass(frozen=True)
+    class Broken(sw.GraphPass):
+        name: ClassVar[str] = "broken"
+
+        def rewrite(self, gm, sizes):
+            return bad(gm, sizes)
+
+    fast = sw.compile(model, sizes=[2], splitting_ops=[ATTENTION_OP], backend="aot_eager", dynamic_dims={"x": 0},
+                      graph_passes=[Broken()])
+    with pytest.raises(sw.ShapewiseError, match=rf"graph pass broken on piece_0 at sizes \{{'n': 2\}} {fragment}"):
+        fast(torch.randn(2, 16), torch.randn(16, 16))
+
+
+def test_a_pass_that_changes_the_inputs_is_refused():
+    @dataclass(frozen=True)
+    class AddsInput(sw.GraphPass):
+        name: ClassVar[str] = "adds_input"
+
+        def rewrite(self, gm, sizes):
+            first = next(n for n in gm.graph.nodes if n.op == "placeholder")
+            with gm.graph.inserting_before(first):
+                gm.graph.placeholder("extra")
+            return gm
+
+    fast = sw.compile(model, sizes=[2], splitting_ops=[ATTENTION_OP], backend="aot_eager", dynamic_dims={"x": 0},
+                      graph_passes=[AddsInput()])
+    with pytest.raises(sw.ShapewiseError, match="changed the graph's inputs"):
+        fast(torch.randn(2, 16), torch.randn(16, 16))
+    with pytest.raises(sw.ConfigError, match="takes sw.GraphPass objects"):
+        sw.Rewrite(passes=[lambda gm: gm])
+
+
+@dataclass(frozen=True)
+class CountAdds(sw.InductorPass):
+    """Counts the add nodes Inductor's post-grad graph has, per call (the graph is left as is)."""
+
+    name: ClassVar[str] = "count_adds"
+    seen: list = None  # type: ignore[assignment] - a shared list, not part of the spec
+
+    def applies(self, sizes):
+        return all(isinstance(v, int) and v <= 2 for v in sizes.values())
+
+    def __call__(self, graph):
+        self.seen.append(sum(1 for n in graph.nodes if "add" in str(n.target)))
+
+    def spec(self):
+        return self.name
+
+
+@pytest.mark.inductor
+def test_inductor_passes_run_only_for_the_variants_they_apply_to(monkeypatch):
+    # Inductor's own caches would serve an earlier run's graph without running the pass (its
+    # uuid is in their keys, so that is right; here the pass must run to be counted).
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    seen: list[int] = []
+    w = torch.randn(16, 16)
+    fast = sw.compile(model, sizes=[2, 4], splitting_ops=[ATTENTION_OP], backend="inductor", dynamic_dims={"x": 0},
+                      inductor_passes=[CountAdds(seen=seen)], cache=False)
+    with torch.no_grad():
+        for n in (2, 4):
+            x = torch.randn(n, 16)
+            assert_same(fast(x, w), model(x, w), f"n={n}")
+    compute = len(fast.program.compute_pieces)
+    assert len(seen) == compute  # once per piece at size 2, never at 4
+    assert any(c > 0 for c in seen)
+    rows = fast.report()
+    assert {r["passes"] for r in rows if r["key"] == "{n=2}"} == {"count_adds"}
+    assert {r["passes"] for r in rows if r["key"] == "{n=4}"} == {""}
+    with pytest.raises(sw.ConfigError, match="run inside Inductor"):
+        sw.compile(model, sizes=[2], splitting_ops=[ATTENTION_OP], backend="aot_eager", dynamic_dims={"x": 0},
+                   inductor_passes=[CountAdds(seen=[])])(torch.randn(2, 16), w)
+
+
+def test_graph_args_helper_still_matches_this_model():
+    # The pipeline test above relies on it: the model's graph reads x, then w.
+    w = torch.randn(16, 16)
+    gm = dynamo_graph(model, torch.randn(4, 16), w)
+    assert len(graph_args(gm, torch.randn(4, 16), w)) == sum(1 for n in gm.graph.nodes if n.op == "placeholder")
