@@ -70,3 +70,20 @@ def test_bench_training_smoke(tmp_path):
     assert saved["env"]["torch"] == torch.__version__
     table = (tmp_path / "results.md").read_text()
     assert "| shapewise | 32 |" in table and torch.__version__ in table
+
+
+@pytest.mark.inductor
+def test_graph_passes_example_rewrites_decode_sizes_only(capsys, monkeypatch):
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # the post-grad pass must run to be seen
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    result = load_script("examples", "graph_passes").main([])
+    assert result["traces"] == 1
+    for n, err in result["errors"].items():
+        assert err < (1e-3 if n <= 4 else 1e-5), (n, err)  # tanh GELU's approximation error at decode only
+    tanh = {r["key"] for r in result["rows"] if "tanh_gelu" in r["passes"]}
+    assert tanh == {"{n=1}", "{n=2}", "{n=4}"}
+    assert sum(result["inductor_replacements"]) >= 1  # Inductor's matcher found x * 2 in the last piece
+    assert "tanh_gelu{max_tokens=4}, twice_is_add" in capsys.readouterr().out
