@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ATTENTION_OP", "ATTENTION_OUT_OP", "MLP", "ToyTransformer", "attention", "attention_out"]
+__all__ = ["ATTENTION_OP", "ATTENTION_OUT_OP", "MLP", "TPLlama", "ToyTransformer", "attention", "attention_out"]
 
 ATTENTION_OP = "shapewise_toy::attention"
 ATTENTION_OUT_OP = "shapewise_toy::attention_out"
@@ -119,3 +119,71 @@ class ToyTransformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+class TPLlama(nn.Module):
+    """A Llama-style decoder over flattened tokens ``[T]`` -> logits ``[T, vocab]``, tensor
+    parallel over ``world`` ranks as Megatron splits it: column-parallel ``qkv`` and ``gate_up``
+    (each rank holds its heads and its slice of the hidden units), row-parallel ``o`` and
+    ``down`` followed by an all-reduce (``torch.distributed``'s functional collectives, which
+    Dynamo traces); embedding, norms and the head are replicated. ``world=1`` is the
+    single-process model; ``TPLlama.shard(full, rank, world)`` is one rank's part of it.
+    """
+
+    def __init__(self, layers: int = 2, dim: int = 64, heads: int = 4, hidden: int = 128, vocab: int = 128,
+                 world: int = 1) -> None:
+        super().__init__()
+        if heads % world or hidden % world:
+            raise ValueError(f"heads ({heads}) and hidden ({hidden}) must divide by the world size ({world})")
+        self.dim, self.heads, self.hidden, self.world = dim, heads, hidden, world
+        local_dim, local_hidden = dim // world, hidden // world
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            layer = nn.Module()
+            layer.norm1, layer.norm2 = RMSNorm(dim), RMSNorm(dim)
+            layer.qkv = nn.Linear(dim, 3 * local_dim, bias=False)
+            layer.o = nn.Linear(local_dim, dim, bias=False)
+            layer.gate_up = nn.Linear(dim, 2 * local_hidden, bias=False)
+            layer.down = nn.Linear(local_hidden, dim, bias=False)
+            self.layers.append(layer)
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        t, local_heads = ids.shape[0], self.heads // self.world
+        for layer in self.layers:
+            q, k, v = layer.qkv(layer.norm1(x)).view(t, 3, local_heads, self.dim // self.heads).unbind(1)
+            a = attention(q, k, v).reshape(t, -1)
+            x = x + self._reduce(layer.o(a))
+            gate, up = layer.gate_up(layer.norm2(x)).chunk(2, dim=-1)
+            x = x + self._reduce(layer.down(F.silu(gate) * up))
+        return self.head(self.norm(x))
+
+    @classmethod
+    def shard(cls, full: TPLlama, rank: int, world: int) -> TPLlama:
+        """Rank ``rank``'s part of the single-process model ``full`` (weights copied)."""
+        part = cls(len(full.layers), full.dim, full.heads, full.hidden, full.head.out_features, world)
+        ld, lh = full.dim // world, full.hidden // world
+        cols, hid = slice(rank * ld, (rank + 1) * ld), slice(rank * lh, (rank + 1) * lh)
+        with torch.no_grad():
+            for name in ("embed.weight", "norm.weight", "head.weight"):
+                part.get_parameter(name).copy_(full.get_parameter(name))
+            for mine, theirs in zip(part.layers, full.layers):
+                mine.norm1.weight.copy_(theirs.norm1.weight)
+                mine.norm2.weight.copy_(theirs.norm2.weight)
+                mine.qkv.weight.copy_(theirs.qkv.weight.view(3, full.dim, full.dim)[:, cols].reshape(3 * ld, full.dim))
+                mine.o.weight.copy_(theirs.o.weight[:, cols])
+                mine.gate_up.weight.copy_(
+                    theirs.gate_up.weight.view(2, full.hidden, full.dim)[:, hid].reshape(2 * lh, full.dim))
+                mine.down.weight.copy_(theirs.down.weight[:, hid])
+        return part

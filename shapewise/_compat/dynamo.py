@@ -13,7 +13,8 @@ import torch.fx
 __all__ = [
     "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
     "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
-    "own_recompile_budget", "placeholder_source", "scalars_passed_as_tensors", "storage_key", "unmark_dynamic",
+    "own_recompile_budget", "placeholder_source", "rank_and_world", "scalars_passed_as_tensors", "storage_key",
+    "unmark_dynamic",
 ]
 
 
@@ -163,3 +164,12 @@ def calls_during_fx_trace() -> Iterator[None]:
         return
     with cfg.patch(force_compile_during_fx_trace=True):
         yield
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default torch.distributed process group; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

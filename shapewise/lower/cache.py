@@ -211,6 +211,15 @@ class ArtifactCache:
             return None
         return decode(data, key)
 
+    def compiled_by(self, key: str) -> int | None:
+        """The rank of torch.distributed that stored ``key`` (None if unknown)."""
+        try:
+            entry = self.read(key)
+        except Exception:  # noqa: BLE001 - a report detail; load() deals with broken files
+            return None
+        rank = (entry.header.get("info") or {}).get("rank") if entry is not None else None
+        return rank if isinstance(rank, int) else None
+
     def load(self, key: str, *, warn: bool = True) -> Callable[..., Any] | None:
         """The artifact for ``key`` loaded and callable, or None. An unusable file is reported
         (a warning when ``warn``), removed and counted in ``corrupt``."""

@@ -26,10 +26,10 @@ import torch.fx
 
 from shapewise import _compat
 from shapewise.errors import CompileError, ConfigError
-from shapewise.ir.effects import mutated_inputs, outputs_alias
 from shapewise.ir.keys import binding_key, graph_key
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta, Variant
 from shapewise.lower.cache import ArtifactCache, resolve_cache
+from shapewise.lower.lean import lean_call
 from shapewise.passes.base import Pass, register_pass
 from shapewise.version import __version__
 
@@ -114,48 +114,6 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     return fn
 
 
-def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callable[..., Any] | None:
-    """``fn`` (an Inductor artifact) called as its runtime wrappers end up calling it, without
-    them, where they have nothing to do; None where they do.
-
-    AOTAutograd wraps each artifact in a chain (a dynamo-disable context, the runtime wrapper,
-    the compiled graph's own ``__call__``) that on the toy Llama costs 7-35 µs per piece per call
-    on a 2-core CPU (benchmarks/bench_host.py). The chain has work only for: training graphs
-    (a backward), inputs the graph writes or that alias each other (mutations applied back,
-    duplicate and synthetic-base arguments), outputs that alias an input or each other
-    (regenerated as views), and autocast (the compiled code runs with it off). A piece with
-    none of these calls the compiled module's ``call(list)`` directly with the parameters
-    AOTAutograd prepends. The first call, and any call under autocast, goes through ``fn``.
-    """
-    args = [a for a in variant.example_args if isinstance(a, torch.Tensor)]
-    if any(a.requires_grad for a in args) and torch.is_grad_enabled():
-        return None
-    if len({_compat.storage_key(a) for a in args}) != len(args):
-        return None
-    if mutated_inputs(piece.gm) or outputs_alias(piece.gm):
-        return None
-    hops = [n for n in piece.gm.graph.nodes if (_compat.op_key(n.target) or "").startswith("hop:")]
-    if hops:  # higher-order ops (effects, autocast regions, wrappers): keep the runtime's handling
-        return None
-    entry = _compat.inference_entry(fn)
-    if entry is None:
-        return None
-    graph, params = entry
-    autocast = _compat.autocast_enabled
-    inner: Callable[..., Any] | None = None
-
-    def call(*args: Any) -> Any:
-        nonlocal inner
-        if inner is None or autocast():
-            out = fn(*args)
-            inner = graph.current_callable
-            return out
-        return inner([*params, *args])
-
-    call.__wrapped__ = fn  # type: ignore[attr-defined] - the artifact, for its generated code
-    return call
-
-
 def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:
     """Every symbolic size of every value in ``gm`` (each expression once)."""
     exprs: set[sympy.Expr] = set()
@@ -232,6 +190,7 @@ class CompileSession:
         self._key_locks: dict[str, threading.Lock] = {}
         self._lock = threading.RLock()
         self._build: dict[frozenset, str] = {}
+        self.rank, self.world = _compat.rank_and_world()
 
     # -- keys ------------------------------------------------------------------------------
     def graph_key(self, piece: Piece):
@@ -288,6 +247,7 @@ class CompileSession:
         t0 = time.perf_counter()
         source, error = "compiled", None
         key, disk = None, False
+        compiled_by: int | None = self.rank
         piece = piece.as_compiled_for(variant)  # the variant's own graph, where graph passes rewrote it
         if variant.inductor_passes and lower.backend != "inductor":
             raise ConfigError(f"inductor passes ({', '.join(p.spec() for p in variant.inductor_passes)}) run inside "
@@ -313,8 +273,10 @@ class CompileSession:
                         source = "reused"
                     elif disk:
                         info = {"piece": piece.name, "binding": variant.binding.describe(names),
-                                "backend": self.backend_id}
+                                "backend": self.backend_id, "rank": self.rank}
                         fn, source = self.cache.compile_or_load(key, compile_it, info)
+                        if source == "cache" and self.world > 1:
+                            compiled_by = self.cache.compiled_by(key)
                     else:
                         fn = compile_it()
                     if lower.dedupe:
@@ -347,6 +309,8 @@ class CompileSession:
             "passes": ", ".join([p.split(":", 1)[-1].rsplit("@", 1)[0] for p in variant.passes]
                                 + [p.spec() for p in variant.inductor_passes]),
         }
+        if self.world > 1:  # which rank compiled it (None: another process, or not recorded)
+            report["rank"] = compiled_by if source in ("compiled", "cache") else self.rank
         if error:
             report["error"] = error
         out = dataclasses.replace(variant, compiled=fn, report=report)
@@ -360,21 +324,31 @@ class CompileSession:
         todo = sum(len(p.variants) for p in pieces if not p.is_splitting)
         t0 = time.perf_counter()
         before = dict(self.counts)
-        out = []
+        done: dict[tuple[int, int], Variant] = {}
         with self.progress(todo) as bar:
-            for p in pieces:
-                if p.is_splitting:
-                    out.append(p)
-                    continue
-                variants = []
-                for v in p.variants:
-                    variants.append(self.compile(p, v))
-                    bar.update(1)
-                out.append(dataclasses.replace(p, variants=tuple(variants)))
+            for i, j in self._order(pieces):
+                done[i, j] = self.compile(pieces[i], pieces[i].variants[j])
+                bar.update(1)
+        out = tuple(p if p.is_splitting else dataclasses.replace(
+            p, variants=tuple(done[i, j] for j in range(len(p.variants)))) for i, p in enumerate(pieces))
         if todo:
             log.info("%s", summary_line({k: self.counts[k] - before.get(k, 0) for k in SOURCES},
                                         time.perf_counter() - t0))
-        return tuple(out)
+        return out
+
+    def _order(self, pieces: Sequence[Piece]) -> list[tuple[int, int]]:
+        """(piece, variant) positions in compile order. Alone: in order. On ``world`` ranks of
+        torch.distributed sharing the disk cache: the distinct content keys are dealt out
+        round-robin and each rank compiles its share first, then the others' (by then in the
+        cache, or being compiled: the key's file lock waits for it), so the work is divided."""
+        items = [(i, j) for i, p in enumerate(pieces) if not p.is_splitting for j in range(len(p.variants))]
+        if self.world == 1 or self.cache is None:
+            return items
+        keys = {(i, j): self.variant_key(pieces[i].as_compiled_for(pieces[i].variants[j]),
+                                         pieces[i].variants[j])[0] for i, j in items}
+        distinct = list(dict.fromkeys(k for k in keys.values() if k is not None))
+        mine = {k for n, k in enumerate(distinct) if n % self.world == self.rank}
+        return sorted(items, key=lambda ij: keys[ij] is not None and keys[ij] not in mine)
 
     def compile_binding(self, pieces: Iterable[Piece], binding: Binding) -> dict[str, Callable[..., Any]]:
         """Compile every compute piece's variant for ``binding``: {piece name: callable};

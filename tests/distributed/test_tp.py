@@ -1,0 +1,58 @@
+"""Tensor parallel on torch.distributed: two processes on gloo (CPU) each compile their shard of
+``TPLlama`` once, answer as the single-process model at every size, and divide the compiles
+through a shared cache folder (keys do not depend on the rank). NCCL on two GPUs is marked gpu."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_world(tmp_path: Path, *flags: str, world: int = 2) -> list[dict]:
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "tests.distributed.tp_worker", "--world", str(world),
+                           "--out", str(out), *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.inductor
+def test_two_ranks_answer_as_one_and_divide_the_compiles(tmp_path):
+    ranks = run_world(tmp_path, "--cache", str(tmp_path / "cache"))
+    for r, result in enumerate(ranks):
+        assert result["traces"] == 1, f"rank {r}"
+        assert result["max_rel_error"] < 1e-5, f"rank {r}: {result['max_rel_error']}"
+    # The same content keys on both ranks: the weights are inputs, the group a name both share.
+    artifacts = [{(row["piece"], row["key"]): row["artifact"] for row in result["rows"]} for result in ranks]
+    assert artifacts[0] == artifacts[1]
+    # Each distinct artifact compiled once, by one rank; the other loaded it, and says who compiled it.
+    compiled = [{row["artifact"] for row in result["rows"] if row["source"] == "compiled"} for result in ranks]
+    assert not compiled[0] & compiled[1]
+    assert compiled[0] | compiled[1] == set(artifacts[0].values())
+    # Each rank starts with its half; one that finishes early may take keys from the other's.
+    assert all(compiled), "the work is divided, not repeated"
+    for r, result in enumerate(ranks):
+        for row in result["rows"]:
+            assert row["rank"] == (r if row["source"] == "compiled" else 1 - r), row
+
+
+def test_split_at_the_collectives_too(tmp_path):
+    ranks = run_world(tmp_path, "--backend", "aot_eager", "--split-collectives")
+    for result in ranks:
+        assert result["traces"] == 1 and result["max_rel_error"] < 1e-5
+        assert len({row["piece"] for row in result["rows"]}) == 7  # 2 layers: 2 attentions + 4 all-reduces split
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs two GPUs")
+def test_two_gpus_on_nccl(tmp_path):
+    ranks = run_world(tmp_path, "--nccl", "--cache", str(tmp_path / "cache"))
+    for result in ranks:
+        assert result["traces"] == 1 and result["max_rel_error"] < 1e-4
