@@ -14,7 +14,7 @@ import torch.fx
 __all__ = [
     "aot_eager", "artifact_bytes", "autocast_enabled", "backward_source", "build_fingerprint", "compiled_backward",
     "compiled_source", "eager_backward", "inductor_config_fingerprint", "inference_entry", "install_kernel_binaries",
-    "kernel_binaries", "load_artifact", "post_grad_pass", "standalone_compile",
+    "kernel_binaries", "load_artifact", "post_grad_pass", "set_grad_enabled", "standalone_compile",
 ]
 
 
@@ -102,10 +102,11 @@ def compiled_backward(fn: Any) -> Any:
     return None
 
 
-def inference_entry(artifact: Any) -> tuple[Any, list[Any]] | None:
-    """(Inductor's ``CompiledFxGraph``, the parameters AOTAutograd prepends to every call) of an
-    inference artifact, or None when it is not one (a training artifact, a non-Inductor
-    callable) or its wrappers are not the known chain. The graph's ``current_callable(list)``
+def inference_entry(artifact: Any) -> tuple[Any, list[Any] | None] | None:
+    """(Inductor's ``CompiledFxGraph``, the parameters AOTAutograd prepends to every call, None
+    where the chain keeps none: an artifact loaded from bytes) of an inference artifact, or None
+    when it is not one (a training artifact, a non-Inductor callable) or its wrappers are not
+    the known chain. The graph's ``current_callable(list)``
     is what the artifact's runtime wrappers end up calling."""
     from torch._inductor.output_code import CompiledFxGraph
 
@@ -121,14 +122,17 @@ def inference_entry(artifact: Any) -> tuple[Any, list[Any]] | None:
                 return None
         except Exception:  # noqa: BLE001 - some wrappers raise on unknown attributes
             continue
-    if len(graphs) != 1 or params is None or not callable(getattr(graphs[0], "current_callable", None)):
+    if len(graphs) != 1 or not callable(getattr(graphs[0], "current_callable", None)):
         return None
-    return graphs[0], list(params)
+    return graphs[0], None if params is None else list(params)
 
 
 #: ``autocast_enabled()``: whether any autocast (CPU, CUDA, ...) is on in this thread (the C
 #: function itself: it is called on the hot path).
 autocast_enabled = torch._C._is_any_autocast_enabled
+
+#: ``set_grad_enabled(flag)``: switch grad mode without a context object (the hot path).
+set_grad_enabled = torch._C._set_grad_enabled
 
 
 def post_grad_pass(passes: Sequence[Any]) -> Any:

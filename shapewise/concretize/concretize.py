@@ -63,7 +63,8 @@ class Concretize(Pass):
             # dynamic=True, or at size 1): compile it as it is; it serves exactly that call.
             log.info("shapewise: this trace has no dynamic sizes; compiling it as traced")
             bindings = (Binding(()),)
-            return program.replace(bindings=bindings, pieces=attach_variants(program.pieces, bindings, program))
+            return program.replace(bindings=bindings, pieces=attach_variants(program.pieces, bindings, program),
+                                   fixed_sizes=self._fixed_sizes())
         bindings = []
         for b in make_bindings(shapes, self.sizes, self.ranges, self.fixed):
             try:
@@ -75,7 +76,11 @@ class Concretize(Pass):
                             b.describe(shapes.names), e)
                 continue
             bindings.append(b)
-        return program.replace(bindings=tuple(bindings), pieces=attach_variants(program.pieces, bindings, program))
+        return program.replace(bindings=tuple(bindings), pieces=attach_variants(program.pieces, bindings, program),
+                               fixed_sizes=self._fixed_sizes())
+
+    def _fixed_sizes(self) -> dict[str, int]:
+        return {name: v for name, v in (self.fixed or {}).items() if v is not None}
 
 
 def attach_variants(pieces: Iterable[Piece], bindings: Sequence[Binding],

@@ -274,6 +274,8 @@ class _GeneralVariant:
         if self.runner is None:
             (general,) = make_bindings(self.program.shapes)
             pieces = attach_variants(self.program.pieces, [general])
+            for rewrite in self.program.rewrites:  # the program's graph passes reach this variant too
+                pieces = rewrite.apply(self.program.replace(pieces=pieces)).pieces
             session = self.session or (self.program.lowering or Lower()).session()
             callables = {}
             for p in pieces:

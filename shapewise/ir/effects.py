@@ -15,9 +15,17 @@ from shapewise import _compat
 __all__ = ["mutated_inputs", "outputs_alias"]
 
 
+#: ``x += y`` and its kin: Dynamo records them as these functions, which write their first
+#: argument when it is a tensor.
+_AUGMENTED = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                        operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                        operator.irshift, operator.imatmul})
+
+
 def _written_args(node: torch.fx.Node) -> list[Any]:
     """The arguments ``node`` may write to (conservative: in-place methods and functions,
-    ``out=``, ``inplace=True``, setitem, and ops whose schema marks an argument as written)."""
+    augmented assignment, ``out=``, ``inplace=True``, setitem, and ops whose schema marks an
+    argument as written)."""
     if node.op == "call_method":
         name = str(node.target)
         return [node.args[0]] if name.endswith("_") and not name.startswith("_") else []
@@ -28,7 +36,7 @@ def _written_args(node: torch.fx.Node) -> list[Any]:
         out.append(node.args[0])
     target = node.target
     name = getattr(target, "__name__", "")
-    if target is operator.setitem or (name.endswith("_") and not name.startswith("_")):
+    if target is operator.setitem or target in _AUGMENTED or (name.endswith("_") and not name.startswith("_")):
         out.append(node.args[0])
     schema = _compat.op_schema(target)
     if schema is not None:

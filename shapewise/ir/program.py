@@ -217,7 +217,9 @@ class Program:
     ``on_miss`` (overrides BuildDispatch's), ``inputs_guarded_by`` ("dynamo" when Dynamo's guards
     check the inputs, so the dispatch adds none). Set by the stages: ``split_plan`` and
     ``splitting_ops`` (Split), ``lowering`` (the Lower pass, a frozen spec, whose variants these
-    are: the dispatch compiles lazy and background variants with it), ``cudagraph_keys``.
+    are: the dispatch compiles lazy and background variants with it), ``cudagraph_keys``,
+    ``fixed_sizes`` (Concretize: the dims this trace fixed, by name), ``rewrites`` (the Rewrite
+    passes applied, frozen specs: the dispatch applies them to the variants it makes itself).
     """
 
     gm: torch.fx.GraphModule
@@ -233,6 +235,8 @@ class Program:
     split_plan: Any = None
     splitting_ops: tuple[Any, ...] = ()
     cudagraph_keys: tuple[tuple, ...] = ()
+    fixed_sizes: Mapping[str, int] = field(default_factory=dict)
+    rewrites: tuple[Any, ...] = ()
 
     def replace(self, **changes: Any) -> Program:
         return dataclasses.replace(self, **changes)

@@ -24,9 +24,11 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
     on a 2-core CPU (benchmarks/bench_host.py). The chain has work only for: training graphs
     (a backward), inputs the graph writes or that alias each other (mutations applied back,
     duplicate and synthetic-base arguments), outputs that alias an input or each other
-    (regenerated as views), and autocast (the compiled code runs with it off). A piece with
-    none of these calls the compiled module's ``call(list)`` directly with the parameters
-    AOTAutograd prepends. The first call, and any call under autocast, goes through ``fn``.
+    (regenerated as views), autocast (the compiled code runs with it off) and grad mode (an
+    inference graph runs with grad off, so inputs that require grad give outputs that do not).
+    A piece with none of the first four calls the compiled module's ``call(list)`` directly with
+    the parameters AOTAutograd prepends, with grad off as the wrapper has it. The first call,
+    and any call under autocast, goes through ``fn``.
     """
     args = [a for a in variant.example_args if isinstance(a, torch.Tensor)]
     if any(a.requires_grad for a in args) and torch.is_grad_enabled():
@@ -42,7 +44,11 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
     if entry is None:
         return None
     graph, params = entry
-    autocast = _compat.autocast_enabled
+    if params is None:  # an artifact loaded from the cache keeps no parameters of its own:
+        if any(True for _ in piece.gm.parameters()) or any(True for _ in piece.gm.buffers()):
+            return None  # a Dynamo piece's weights are its inputs; one that holds its own is left wrapped
+        params = []
+    autocast, grad_enabled, set_grad = _compat.autocast_enabled, torch.is_grad_enabled, _compat.set_grad_enabled
     inner: Callable[..., Any] | None = None
 
     def call(*args: Any) -> Any:
@@ -51,6 +57,12 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
             out = fn(*args)
             inner = graph.current_callable
             return out
+        if grad_enabled():
+            set_grad(False)
+            try:
+                return inner([*params, *args])
+            finally:
+                set_grad(True)
         return inner([*params, *args])
 
     call.__wrapped__ = fn  # type: ignore[attr-defined] - the artifact, for its generated code

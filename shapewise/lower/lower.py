@@ -230,7 +230,9 @@ class CompileSession:
             f"passes={list(variant.passes)}",
             f"inductor_passes={[p.uuid() for p in variant.inductor_passes]}",
         ]
-        disk = self.cache is not None and " at 0x" not in options
+        # A repr with an address differs in every process: such a key stays in memory.
+        uuids = (*variant.passes, *[p.uuid() for p in variant.inductor_passes])
+        disk = self.cache is not None and not any(" at 0x" in part for part in (options, *uuids))
         if self.lower.backend == "inductor":
             parts.append(f"build={self._build_part(piece)}")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest(), disk

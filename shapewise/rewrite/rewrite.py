@@ -28,10 +28,12 @@ from shapewise.passes.graph_pass import GraphPass, InductorPass
 __all__ = ["Rewrite", "variant_sizes"]
 
 
-def variant_sizes(binding: Binding, names: Mapping[sympy.Symbol, str]) -> dict[str, Any]:
+def variant_sizes(binding: Binding, names: Mapping[sympy.Symbol, str],
+                  fixed: Mapping[str, int] | None = None) -> dict[str, Any]:
     """A binding as a pass sees it: ``{dim name: size}``, ``(low, high)`` for a range (a symbol
-    without a name goes by the symbol: ``{"s3": 4}``)."""
-    return {names.get(s, str(s)): v for s, v in binding.items}
+    without a name goes by the symbol: ``{"s3": 4}``), with the dims the trace fixed (``seq=1``
+    in a decode trace) at their size."""
+    return {**dict(fixed or {}), **{names.get(s, str(s)): v for s, v in binding.items}}
 
 
 def _outputs(gm: torch.fx.GraphModule) -> int:
@@ -75,12 +77,16 @@ class Rewrite(Pass):
         return [] if program.bindings is not None else ["concretize"]
 
     def apply(self, program: Program) -> Program:
+        compiled = [p.name for p in program.compute_pieces if any(v.compiled is not None for v in p.variants)]
+        if compiled:
+            raise ConfigError(f"Rewrite runs before Lower: {compiled[0]}'s variants are compiled already, and a "
+                              "rewrite now would not reach them; put Rewrite between Concretize and Lower")
         pieces = tuple(p if p.is_splitting else dataclasses.replace(
-            p, variants=tuple(self._variant(p, v) for v in p.variants)) for p in program.pieces)
-        return program.replace(pieces=pieces)
+            p, variants=tuple(self._variant(p, v, program.fixed_sizes) for v in p.variants)) for p in program.pieces)
+        return program.replace(pieces=pieces, rewrites=(*program.rewrites, self))
 
-    def _variant(self, piece: Piece, variant: Variant) -> Variant:
-        sizes = variant_sizes(variant.binding, piece.shapes.names if piece.shapes else {})
+    def _variant(self, piece: Piece, variant: Variant, fixed: Mapping[str, int] | None = None) -> Variant:
+        sizes = variant_sizes(variant.binding, piece.shapes.names if piece.shapes else {}, fixed)
         graph_passes = [p for p in self.passes if self._applies(p, piece, sizes)]
         inductor = tuple(p for p in self.inductor_passes if self._applies(p, piece, sizes))
         if not graph_passes and not inductor:

@@ -102,3 +102,16 @@ def test_the_ir_shows_itself_through_registered_renderers():
         assert str(bare) == repr(bare) and bare._repr_html_() is None
     finally:
         RENDERERS.update(saved)
+
+
+def test_augmented_assignment_counts_as_a_write():
+    from shapewise.ir.effects import mutated_inputs
+
+    def f(x, buf):
+        buf += x.sum(0)  # Dynamo records operator.iadd
+        return x * 2
+
+    gm = dynamo_graph(f, torch.randn(4, 3), torch.zeros(3))
+    written = mutated_inputs(gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [names[i] for i in written] == [n for n in names if "buf" in n]

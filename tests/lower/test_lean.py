@@ -96,3 +96,40 @@ def test_a_call_under_autocast_answers_as_the_wrapped_call():
             got, expected = lean(*args), wrapped(*args)
     assert_same(got, expected, "under autocast")
     assert any(r["lean"] for r in lean.report())
+
+
+def _mlp_runnable(gm, **lower):
+    return sw.Pipeline([sw.Concretize(sizes=[4, 8]), sw.Lower(backend="inductor", **lower)]).run(gm)
+
+
+def test_a_lean_call_with_grad_on_answers_as_the_wrapped_one():
+    # Built under no_grad (an inference graph), then called with grad on and a weight that
+    # requires grad: AOTAutograd's wrapper runs inference graphs with grad off, so must the lean call.
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        gm = dynamo_graph(model, x)
+        lean, wrapped = _mlp_runnable(gm, cache=False), _mlp_runnable(gm, cache=False, lean=False)
+    weight, bias = model[0].weight, model[0].bias  # parameters: they require grad
+    call = []
+    for n in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        name = str(n.target)
+        call.append(weight if "weight" in name else bias if "bias" in name
+                    else x.shape[0] if isinstance(n.meta.get("example_value"), torch.SymInt) else x)
+    with torch.no_grad():
+        lean(*call)  # the first call goes through the wrapper
+    assert any(r["lean"] for r in lean.report())
+    got, expected = lean(*call), wrapped(*call)
+    assert_same(got, expected, "grad on")
+    assert not got[0].requires_grad if isinstance(got, (tuple, list)) else not got.requires_grad
+
+
+def test_artifacts_loaded_from_the_cache_are_lean_too(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        for expected_source in ("compiled", "cache"):
+            fast = sw.compile(model, sizes=[4, 8], backend="inductor", cache=str(tmp_path))
+            fast(x), fast(x)
+            assert_same(fast(x), model(x), expected_source)
+            assert {(r["source"], r["lean"]) for r in fast.report()} == {(expected_source, True)}

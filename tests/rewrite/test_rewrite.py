@@ -197,3 +197,41 @@ def test_graph_args_helper_still_matches_this_model():
     w = torch.randn(16, 16)
     gm = dynamo_graph(model, torch.randn(4, 16), w)
     assert len(graph_args(gm, torch.randn(4, 16), w)) == sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+
+
+def test_the_on_miss_variant_is_rewritten_too_and_fixed_dims_reach_the_pass():
+    seen: list[dict] = []
+
+    @dataclass(frozen=True)
+    class Record(ReluToClamp):
+        name: ClassVar[str] = "record"
+
+        def applies(self, sizes):
+            seen.append(dict(sizes))
+            return True
+
+    w = torch.randn(16, 16)
+    fast = sw.compile(model, sizes=[4], splitting_ops=[ATTENTION_OP], backend="aot_eager", dynamic_dims={"x": 0},
+                      graph_passes=[Record()], on_miss="dynamic")
+    for n in (4, 6):
+        x = torch.randn(n, 16)
+        assert_same(fast(x, w), model(x, w), f"n={n}")
+    rows = [r for r in fast.report() if r["piece"] == fast.program.compute_pieces[-1].name]
+    assert {r["key"]: r["passes"] for r in rows} == {"{n=4}": "record{limit=2}",
+                                                      "general (on_miss='dynamic')": "record{limit=2}"}
+    assert {"n": 4} in seen
+
+    # A decode trace fixes the dim: the pass still sees its size.
+    gm = dynamo_graph(model, torch.randn(4, 16), w)
+    program = sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[4])])(gm)
+    seen.clear()
+    sw.Rewrite(passes=[Record()])(program.replace(fixed_sizes={"seq": 1}))
+    assert all(s.get("seq") == 1 for s in seen) and seen
+
+
+def test_rewrite_after_lower_is_refused():
+    w = torch.randn(16, 16)
+    gm = dynamo_graph(model, torch.randn(4, 16), w)
+    with pytest.raises(sw.ConfigError, match="Rewrite runs before Lower"):
+        sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[4]), sw.Lower(backend="aot_eager"),
+                     sw.Rewrite(passes=[ReluToClamp()])]).run(gm)
