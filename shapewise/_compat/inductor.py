@@ -27,8 +27,21 @@ def standalone_compile(gm: torch.fx.GraphModule, args: list[Any], *, static: boo
     mode = "from_example_inputs" if static else "from_tracing_context"
     # standalone_compile forwards `options` to compile_fx as keyword arguments: Inductor
     # config (max_autotune, ...) goes in as compile_fx's config_patches.
-    with eager_backward():
+    with eager_backward(), (contextlib.nullcontext() if static else no_inductor_caches()):
         return _sc(gm, args, dynamic_shapes=mode, options={"config_patches": dict(options)} if options else {})
+
+
+@contextlib.contextmanager
+def no_inductor_caches() -> Iterator[None]:
+    """Inductor's FX graph cache and AOTAutograd's cache off. A range compile's code may rest on
+    its ShapeEnv's value ranges (over (1, 2), ``(s + 1) // 2`` is 1 with no guard), which those
+    caches' keys leave out: the same graph compiled over (8, 23) was served the (1, 2) code
+    (found by the fuzzer). shapewise's own artifact cache keys the range and stays on."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
 
 
 @contextlib.contextmanager

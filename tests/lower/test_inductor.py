@@ -65,3 +65,21 @@ def test_static_options_reach_the_static_compile():
     lower = tuned.program.lowering
     assert lower.options_for(static.binding) == {"size_asserts": False}
     assert lower.options_for(ranged.binding) == {}
+
+
+def _halves_then_cumsum(x):
+    y = torch.tanh(x[::2].cumsum(0))[:, ::2]  # over (1, 2), (n + 1) // 2 is 1: a range compile may rely on it
+    q = y[:, None]
+    out = torch.empty_like(q)
+    torch.ops.shapewise_toy.attention_out(q, q, q, out)
+    return out[:, 0] + 1
+
+
+def test_two_ranges_of_one_graph_never_share_inductors_cached_code():
+    # Regression (fuzzer): Inductor's FX graph cache keys a symbolic compile without its value
+    # ranges, so the (8, 23) compile was served the (1, 2) code (sizes fixed to 1).
+    fast = sw.compile(_halves_then_cumsum, ranges=[(1, 2), (8, 23)], splitting_ops=["shapewise_toy::attention_out"],
+                      backend="inductor", cache=False)
+    for n in (1, 2, 8, 15, 23):
+        x = torch.randn(n, 12)
+        assert_same(fast(x), _halves_then_cumsum(x), f"n={n}")
