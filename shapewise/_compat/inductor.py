@@ -14,7 +14,8 @@ import torch.fx
 __all__ = [
     "aot_eager", "artifact_bytes", "autocast_enabled", "backward_source", "build_fingerprint", "compiled_backward",
     "compiled_source", "eager_backward", "inductor_config_fingerprint", "inference_entry", "install_kernel_binaries",
-    "kernel_binaries", "load_artifact", "post_grad_pass", "set_grad_enabled", "standalone_compile",
+    "kernel_binaries", "load_artifact", "no_inductor_caches", "post_grad_pass", "set_grad_enabled",
+    "standalone_compile",
 ]
 
 

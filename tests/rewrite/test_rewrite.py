@@ -11,6 +11,7 @@ import torch
 from torch.fx import subgraph_rewriter
 
 import shapewise as sw
+from shapewise._compat import no_inductor_caches
 from shapewise.lower import Lower
 from shapewise.models import ATTENTION_OP
 from tests.helpers import assert_same, dynamo_graph, graph_args
@@ -165,14 +166,14 @@ class CountAdds(sw.InductorPass):
 
 
 @pytest.mark.inductor
-def test_inductor_passes_run_only_for_the_variants_they_apply_to(monkeypatch):
+def test_inductor_passes_run_only_for_the_variants_they_apply_to():
     # Inductor's own caches would serve an earlier run's graph without running the pass (its
     # uuid is in their keys, so that is right; here the pass must run to be counted).
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
+    with no_inductor_caches():
+        _inductor_passes_run_only_for_the_variants_they_apply_to()
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+
+def _inductor_passes_run_only_for_the_variants_they_apply_to():
     seen: list[int] = []
     w = torch.randn(16, 16)
     fast = sw.compile(model, sizes=[2, 4], splitting_ops=[ATTENTION_OP], backend="inductor", dynamic_dims={"x": 0},
