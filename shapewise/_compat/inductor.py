@@ -20,16 +20,26 @@ __all__ = [
 
 
 def standalone_compile(gm: torch.fx.GraphModule, args: list[Any], *, static: bool,
-                       options: dict[str, Any] | None = None):
+                       options: dict[str, Any] | None = None, cache_salt: str | None = None):
     """Inductor compile of ``gm``: fully static from concrete ``args``, or symbolic from the
-    active tracing context (see ``fresh_tracing_context(fake_mode)``)."""
+    active tracing context (see ``fresh_tracing_context(fake_mode)``); ``cache_salt`` (the
+    range, for a symbolic compile) goes into Inductor's cache keys."""
     from torch._inductor import standalone_compile as _sc
 
     mode = "from_example_inputs" if static else "from_tracing_context"
     # standalone_compile forwards `options` to compile_fx as keyword arguments: Inductor
     # config (max_autotune, ...) goes in as compile_fx's config_patches.
-    with eager_backward(), (contextlib.nullcontext() if static else no_inductor_caches()):
-        return _sc(gm, args, dynamic_shapes=mode, options={"config_patches": dict(options)} if options else {})
+    options = dict(options or {})
+    if not static and cache_salt:
+        # A range compile's code may rest on its ShapeEnv's value ranges (over (1, 2), ``(s + 1) //
+        # 2`` is 1 with no guard), which the keys of Inductor's FX graph cache and AOTAutograd's
+        # cache leave out: the same graph compiled over (8, 23) was served the (1, 2) code (found
+        # by the fuzzer). A post-grad pass that does nothing but whose uuid names the range puts
+        # it into both keys (the artifact stays saveable for shapewise's own cache).
+        prior = options.get("post_grad_custom_post_pass")
+        options["post_grad_custom_post_pass"] = post_grad_pass([prior] if prior is not None else [], salt=cache_salt)
+    with eager_backward():
+        return _sc(gm, args, dynamic_shapes=mode, options={"config_patches": options} if options else {})
 
 
 @contextlib.contextmanager
@@ -149,9 +159,10 @@ autocast_enabled = torch._C._is_any_autocast_enabled
 set_grad_enabled = torch._C._set_grad_enabled
 
 
-def post_grad_pass(passes: Sequence[Any]) -> Any:
+def post_grad_pass(passes: Sequence[Any], salt: str = "") -> Any:
     """One Inductor ``CustomGraphPass`` (for the ``post_grad_custom_post_pass`` option) that runs
-    ``passes`` (callables on the post-grad ``torch.fx.Graph``, each with a ``uuid()``) in order."""
+    ``passes`` (callables on the post-grad ``torch.fx.Graph``, each with a ``uuid()``) in order;
+    ``salt`` joins its uuid (and so Inductor's cache keys)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class _Chain(CustomGraphPass):
@@ -160,7 +171,7 @@ def post_grad_pass(passes: Sequence[Any]) -> Any:
                 p(graph)
 
         def uuid(self) -> str:
-            return hashlib.sha256("|".join(p.uuid() for p in passes).encode()).hexdigest()
+            return hashlib.sha256("|".join([salt, *(str(p.uuid()) for p in passes)]).encode()).hexdigest()
 
     return _Chain()
 

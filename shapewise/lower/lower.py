@@ -99,7 +99,8 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     oblivious = _compat.no_zero_one_specialisation(mode is not None and reaches_one)
     with _compat.fresh_tracing_context(mode), oblivious:
         if backend == "inductor":
-            fn = _compat.standalone_compile(_copy_gm(piece.gm), args, static=static, options=options)
+            fn = _compat.standalone_compile(_copy_gm(piece.gm), args, static=static, options=options,
+                                            cache_salt=None if static else f"shapewise range {variant.binding}")
         elif backend == "aot_eager":
             fn = _compat.aot_eager(_copy_gm(piece.gm), args)
         else:
