@@ -75,10 +75,11 @@ def _layout_note(piece: Piece, variant: Variant) -> str:
 
 def _passes_note(v: Variant) -> str:
     """``; rewritten by a{...}, b; inductor passes: c``: the passes applied to this variant."""
-    graph = [u.split(":", 1)[-1].rsplit("@", 1)[0] for u in v.passes]
+    labels = v.pass_labels
+    graph, inductor = labels[:len(v.passes)], labels[len(v.passes):]
     note = f"; rewritten by {', '.join(graph)} (its graph below)" if graph else ""
-    if v.inductor_passes:
-        note += f"; inductor passes: {', '.join(p.spec() for p in v.inductor_passes)}"
+    if inductor:
+        note += f"; inductor passes: {', '.join(inductor)}"
     return note
 
 

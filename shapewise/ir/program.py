@@ -183,6 +183,12 @@ class Variant:
     passes: tuple[str, ...] = ()
     inductor_passes: tuple[Any, ...] = ()
 
+    @property
+    def pass_labels(self) -> list[str]:
+        """The graph passes applied, as ``name{fields}`` (their uuid without class and version),
+        then the inductor passes' specs: what the report and the printer show."""
+        return [u.split(":", 1)[-1].rsplit("@", 1)[0] for u in self.passes] + [p.spec() for p in self.inductor_passes]
+
 
 @dataclass(frozen=True)
 class Piece:

@@ -309,8 +309,7 @@ class CompileSession:
             "backend": lower.backend_name,
             "artifact": key[:12] if key else None,
             "lean": lean is not None,
-            "passes": ", ".join([p.split(":", 1)[-1].rsplit("@", 1)[0] for p in variant.passes]
-                                + [p.spec() for p in variant.inductor_passes]),
+            "passes": ", ".join(variant.pass_labels),
         }
         if self.world > 1:  # which rank compiled it (None: another process, or not recorded)
             report["rank"] = compiled_by if source in ("compiled", "cache") else self.rank

@@ -93,8 +93,8 @@ def test_the_pipeline_form_printafter_and_verify_see_rewritten_variants():
                  sw.Lower(backend="aot_eager")],
                 instruments=[sw.PrintAfter(passes=("rewrite",), out=printed.append), verify]).run(gm)
     assert len(printed) == 1 and "rewrite{passes=drop_relu}" in printed[0] and "mul" in printed[0]
-    ok = {r["size"]: r["ok"] for r in verify.rows}
-    assert ok == {"{s0=2}": False, "{s0=4}": True} or (list(ok.values()) == [False, True]), verify.rows
+    # The wrong rewrite applies at size 2 only: Verify flags size 2 and passes size 4.
+    assert [r["ok"] for r in verify.rows] == [False, True], verify.rows
 
 
 def test_content_keys_tell_rewritten_variants_apart():
