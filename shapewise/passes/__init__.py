@@ -13,7 +13,8 @@ from shapewise.passes.base import (
     register_pass,
     register_runnable,
 )
-from shapewise.passes.graph_pass import GraphPass, InductorPass, Sizes
+from shapewise.passes.decode_gemv import DecodeGemv
+from shapewise.passes.graph_pass import GraphPass, InductorPass, Sizes, VariantSizes
 
-__all__ = ["GraphPass", "InductorPass", "Instrument", "Pass", "PassRecord", "Pipeline", "PrintAfter", "Sizes",
-           "Timing", "parse_spec", "register_pass", "register_runnable"]
+__all__ = ["DecodeGemv", "GraphPass", "InductorPass", "Instrument", "Pass", "PassRecord", "Pipeline", "PrintAfter", "Sizes",
+           "Timing", "VariantSizes", "parse_spec", "register_pass", "register_runnable"]

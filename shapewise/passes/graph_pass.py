@@ -22,13 +22,40 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import sympy
 import torch.fx
 
-__all__ = ["GraphPass", "InductorPass", "Sizes"]
+from shapewise._compat import node_value, sym_expr
+
+__all__ = ["GraphPass", "InductorPass", "Sizes", "VariantSizes"]
 
 #: A variant's sizes as a pass sees them: ``{dim name: size}`` for a static variant,
 #: ``{dim name: (low, high)}`` for the dims a range variant leaves symbolic.
 Sizes = Mapping[str, "int | tuple[int, int]"]
+
+
+class VariantSizes(dict):
+    """What ``applies`` and ``rewrite`` get: ``{dim name: size or (low, high)}`` (a plain dict),
+    which also knows the graph's symbols, so a pass can ask what a node's shape is at this
+    variant: ``sizes.shape(node)`` gives ints where the variant fixes them, None elsewhere."""
+
+    def __init__(self, sizes: Mapping[str, Any], symbols: Mapping[sympy.Symbol, Any] | None = None) -> None:
+        super().__init__(sizes)
+        self.symbols = dict(symbols or {})
+
+    def evaluate(self, dim: Any) -> int | None:
+        """An int, SymInt or sympy expression at this variant: an int, or None when it depends
+        on a dim that the variant leaves as a range."""
+        expr = sym_expr(dim) if not isinstance(dim, sympy.Basic) else dim
+        value = expr.subs({s: v for s, v in self.symbols.items() if isinstance(v, int)})
+        return int(value) if value.is_Integer else None
+
+    def shape(self, node: torch.fx.Node) -> tuple[int | None, ...] | None:
+        """The shape of a node's tensor value at this variant (None for a non-tensor node)."""
+        value = node_value(node)
+        if not isinstance(value, torch.Tensor):
+            return None
+        return tuple(self.evaluate(d) for d in value.shape)
 
 
 def _spec(obj: Any, every_field: bool = False) -> str:

@@ -23,17 +23,18 @@ import torch.fx
 from shapewise.errors import ConfigError, ShapewiseError
 from shapewise.ir.program import Binding, Piece, Program, Variant
 from shapewise.passes.base import Pass, register_pass
-from shapewise.passes.graph_pass import GraphPass, InductorPass
+from shapewise.passes.graph_pass import GraphPass, InductorPass, VariantSizes
 
 __all__ = ["Rewrite", "variant_sizes"]
 
 
 def variant_sizes(binding: Binding, names: Mapping[sympy.Symbol, str],
-                  fixed: Mapping[str, int] | None = None) -> dict[str, Any]:
+                  fixed: Mapping[str, int] | None = None) -> VariantSizes:
     """A binding as a pass sees it: ``{dim name: size}``, ``(low, high)`` for a range (a symbol
     without a name goes by the symbol: ``{"s3": 4}``), with the dims the trace fixed (``seq=1``
     in a decode trace) at their size."""
-    return {**dict(fixed or {}), **{names.get(s, str(s)): v for s, v in binding.items}}
+    return VariantSizes({**dict(fixed or {}), **{names.get(s, str(s)): v for s, v in binding.items}},
+                        dict(binding.items))
 
 
 def _outputs(gm: torch.fx.GraphModule) -> int:

@@ -1,0 +1,10 @@
+"""Hand-written kernels that shapewise's own passes put into graphs, each a torch custom op
+with a fake implementation (so Dynamo, AOTAutograd and Inductor trace it) and a plain torch
+fallback where its fast path cannot run (CPU, no Triton, shapes it was not written for).
+
+Standalone: imports torch (and Triton, lazily) only.
+"""
+
+from shapewise.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_configs, triton_gemv_available
+
+__all__ = ["GemvConfig", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available"]

@@ -1,0 +1,241 @@
+"""``shapewise::gemv``: ``y = x @ weight.T (+ bias)`` for a few rows (decode), as a Triton kernel
+that streams the weight once, tuned per (rows, N, K) on the first call.
+
+At one to sixteen rows a linear layer is a read of its weight: the arithmetic is nothing, and
+the time is the weight's bytes over memory bandwidth. cuBLAS picks GEMM tilings for these
+shapes that leave a third to half of the bandwidth unused (see
+``benchmarks/results/gemv_h200``). This kernel gives each program ``BLOCK_N`` weight rows and
+one slice of K (split-K, for weights with few rows, so that every multiprocessor streams), pads
+the rows of ``x`` to 16 for the tensor cores, and sums split-K partials with float32 atomics.
+
+The op runs the kernel where it can (CUDA, bf16/fp16, a weight whose rows are contiguous, at
+most ``MAX_ROWS`` rows, Triton importable) and ``torch.nn.functional.linear`` everywhere else,
+so it is right on any input. Its fake implementation lets Dynamo, AOTAutograd and Inductor
+trace it, and its backward is the usual one, so it trains.
+
+Tuning: the first call per (rows, N, K, dtype, bias, device) times each of ``gemv_configs``
+with ``triton.testing.do_bench`` and keeps the fastest (outside CUDA graph capture; inside one
+it takes the first config that fits, untimed). ``SHAPEWISE_GEMV_TUNE=0`` turns the timing off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available"]
+
+log = logging.getLogger("shapewise")
+
+#: The most rows the kernel takes (its row tile); more rows go to ``F.linear``.
+MAX_ROWS = 16
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration: weight rows and K per step, K slices, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return f"n{self.block_n}.k{self.block_k}.split{self.split_k}.w{self.num_warps}.s{self.num_stages}"
+
+
+@functools.cache
+def triton_gemv_available() -> bool:
+    """Whether the Triton kernel can run here (Triton importable and a CUDA device present)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gemv_configs(n: int, k: int, sms: int = 132) -> list[GemvConfig]:
+    """The candidates tuning times for an [n, k] weight on a GPU of ``sms`` multiprocessors:
+    a few tilings, each with one K slice and, where it has fewer tiles than two per
+    multiprocessor, with enough K slices for that (a power of two, at most 8)."""
+    out = []
+    for bn, bk, warps, stages in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4),
+                                  (32, 512, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4)):
+        splits = [1]
+        want = _cdiv(2 * sms, _cdiv(n, bn))
+        if want > 1:
+            split = min(8, 1 << (want - 1).bit_length())
+            if k >= split * bk:
+                splits.append(split)
+        out.extend(GemvConfig(bn, bk, s, warps, stages) for s in splits)
+    return out
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, sxm, sxk, swn, swk,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        k_lo = pid_k * chunk
+        x_ptrs = x_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk
+        w_ptrs = w_ptr + rn[:, None] * swn + (k_lo + rk)[None, :] * swk
+        m_ok = rm[:, None] < M
+        n_ok = rn[:, None] < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, chunk, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+            else:
+                k_ok = (k_lo + kk + rk)[None, :] < K
+                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+            x_ptrs += BLOCK_K * sxk
+            w_ptrs += BLOCK_K * swk
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
+        y_ptrs = y_ptr + rm[:, None] * N + rn[None, :]
+        y_ok = m_ok & (rn[None, :] < N)
+        if SPLIT_K == 1:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=y_ok)
+
+    return gemv_kernel
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    if cfg.split_k == 1:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    grid = (_cdiv(n, cfg.block_n), cfg.split_k)
+    chunk = _cdiv(k, cfg.split_k * cfg.block_k) * cfg.block_k  # each program's slice of K
+    _kernel()[grid](x, w, b if b is not None else w, y, m, n, k, chunk, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                    HAS_BIAS=b is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                    SPLIT_K=cfg.split_k, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y if cfg.split_k == 1 else y.to(x.dtype)
+
+
+_TUNED: dict[tuple, GemvConfig | None] = {}
+_TUNE_LOCK = threading.Lock()
+
+
+def _key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
+    return (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, x.device.index)
+
+
+def gemv_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> GemvConfig | None:
+    """The config the op uses for these arguments (tuned on first use; None: ``F.linear`` wins
+    or no config compiled)."""
+    key = _key(x, w, b)
+    cfg = _TUNED.get(key, False)
+    if cfg is not False:
+        return cfg
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    configs = gemv_configs(w.shape[0], w.shape[1], sms)
+    if torch.cuda.is_current_stream_capturing() or os.environ.get("SHAPEWISE_GEMV_TUNE", "1") == "0":
+        return configs[0]  # no timing inside a capture: untimed, and not remembered
+    with _TUNE_LOCK:
+        if key not in _TUNED:
+            _TUNED[key] = _tune(x, w, b, configs)
+    return _TUNED[key]
+
+
+def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: list[GemvConfig]) -> GemvConfig | None:
+    from triton.testing import do_bench
+
+    best, best_ms = None, float("inf")
+    for cfg in configs:
+        try:
+            ms = do_bench(lambda cfg=cfg: _launch(x, w, b, cfg), warmup=2, rep=8, return_mode="median")
+        except Exception as e:  # a config that does not compile or fit is skipped
+            log.debug("shapewise gemv: config %s failed for %s: %s", cfg, _key(x, w, b), e)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    try:
+        linear_ms = do_bench(lambda: F.linear(x, w, b), warmup=2, rep=8, return_mode="median")
+    except Exception:
+        linear_ms = float("inf")
+    if best is None:
+        log.warning("shapewise gemv: no kernel config ran for rows=%d weight=%s; using F.linear",
+                    x.shape[0], tuple(w.shape))
+    elif linear_ms < best_ms:
+        log.info("shapewise gemv: F.linear (%.1f us) beats the kernel (%.1f us, %s) at rows=%d weight=%s",
+                 linear_ms * 1e3, best_ms * 1e3, best, x.shape[0], tuple(w.shape))
+        return None
+    return best
+
+
+def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    return (x.is_cuda and x.dtype in _FAST_DTYPES and weight.dtype == x.dtype and weight.dim() == 2
+            and weight.is_cuda and weight.stride(1) == 1 and 1 <= rows <= MAX_ROWS and weight.shape[1] >= 16
+            and (bias is None or (bias.dim() == 1 and bias.dtype == x.dtype and bias.is_contiguous()))
+            and triton_gemv_available())
+
+
+@torch.library.custom_op("shapewise::gemv", mutates_args=())
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the Triton kernel where it runs (module docstring)."""
+    if _fast_path(x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])
+        cfg = gemv_config(x2, weight, bias)
+        if cfg is not None:
+            return _launch(x2, weight, bias, cfg).reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+@gemv.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    gx = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = grad @ weight
+    if ctx.needs_input_grad[1]:
+        gw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return gx, gw, gb
+
+
+gemv.register_autograd(_backward, setup_context=_setup)

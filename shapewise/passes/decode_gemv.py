@@ -1,0 +1,138 @@
+"""``DecodeGemv``: at static sizes with few rows, linear layers become ``shapewise::gemv``.
+
+    fast = sw.compile(model, sizes=[1, 2, 4, 8, 64], graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
+
+Per (piece, static variant), every ``F.linear(x, W, b)``, ``x @ W.t()``, ``torch.mm(x, W.t())``
+and ``torch.addmm(b, x, W.t())`` whose weight is a 2-D ``[N, K]`` tensor and whose rows (all of
+``x``'s dims but the last, at the variant's sizes) number at most ``max_tokens`` becomes a call
+of the ``shapewise::gemv`` custom op (``shapewise.kernels.gemv``): a Triton kernel tuned per
+size on the GPU, ``F.linear`` elsewhere. Range variants and larger sizes keep cuBLAS.
+
+Only nodes whose input is on one of ``devices`` with one of ``dtypes`` are rewritten (by default
+CUDA, bf16 and fp16: where the kernel runs; on the CPU the op would only be ``F.linear`` behind
+a custom-op boundary that Inductor cannot fuse through).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from shapewise._compat import node_value
+from shapewise.errors import ConfigError
+from shapewise.kernels.gemv import MAX_ROWS  # importing it registers shapewise::gemv
+from shapewise.passes.graph_pass import GraphPass, Sizes, VariantSizes
+
+__all__ = ["DecodeGemv"]
+
+_LINEAR = {torch._C._nn.linear, F.linear}
+_MATMUL = {torch.matmul, operator.matmul, torch.mm}
+_TRANSPOSE_FUNCS = {torch.t, torch.transpose, torch.Tensor.t}
+
+
+def _transposed_weight(node: Any) -> torch.fx.Node | None:
+    """``W`` when ``node`` is ``W.t()`` / ``W.T`` / ``W.transpose(0, 1)`` of a 2-D ``W``."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    base = node.args[0] if node.args else None
+    if node.op == "call_method" and node.target == "t":
+        pass
+    elif node.op == "call_function" and node.target in (torch.t, torch.Tensor.t):
+        pass
+    elif (node.op == "call_method" and node.target == "transpose") or (
+            node.op == "call_function" and node.target is torch.transpose):
+        dims = tuple(node.args[1:3])
+        if sorted(d % 2 for d in dims) != [0, 1] or len(dims) != 2:
+            return None
+    elif node.op == "call_method" and node.target == "permute" and tuple(node.args[1:]) in ((1, 0), ((1, 0),)):
+        pass
+    elif node.op == "call_function" and node.target is getattr and len(node.args) == 2 and node.args[1] in ("T", "mT"):
+        pass
+    else:
+        return None
+    value = node_value(base) if isinstance(base, torch.fx.Node) else None
+    return base if isinstance(value, torch.Tensor) and value.dim() == 2 else None
+
+
+def _match(node: torch.fx.Node) -> tuple[Any, Any, Any, torch.fx.Node | None] | None:
+    """(x, weight, bias, transpose node or None) when ``node`` is a linear layer."""
+    if node.op != "call_function":
+        return None
+    if node.target in _LINEAR:
+        names = ("input", "weight", "bias")
+        args = list(node.args) + [node.kwargs[n] for n in names[len(node.args):] if n in node.kwargs]
+        if len(args) < 2:
+            return None
+        return args[0], args[1], args[2] if len(args) > 2 else None, None
+    if node.target in _MATMUL and len(node.args) == 2 and not node.kwargs:
+        weight = _transposed_weight(node.args[1])
+        return (node.args[0], weight, None, node.args[1]) if weight is not None else None
+    if node.target is torch.addmm and len(node.args) == 3 and not node.kwargs:
+        weight = _transposed_weight(node.args[2])
+        bias = node_value(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
+        if weight is not None and isinstance(bias, torch.Tensor) and bias.dim() == 1:
+            return node.args[1], weight, node.args[0], node.args[2]
+    return None
+
+
+@dataclass(frozen=True)
+class DecodeGemv(GraphPass):
+    """Linear layers with at most ``max_tokens`` rows at a static size -> ``shapewise::gemv``."""
+
+    name: ClassVar[str] = "decode_gemv"
+    version: ClassVar[int] = 1
+    max_tokens: int = 16
+    devices: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[str, ...] = ("bfloat16", "float16")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_tokens <= MAX_ROWS:
+            raise ConfigError(f"DecodeGemv(max_tokens={self.max_tokens}): the kernel takes 1 to {MAX_ROWS} rows; "
+                              f"give max_tokens between 1 and {MAX_ROWS}")
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+
+    def applies(self, sizes: Sizes) -> bool:
+        return all(isinstance(v, int) for v in sizes.values())
+
+    def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> torch.fx.GraphModule:
+        if not isinstance(sizes, VariantSizes):
+            sizes = VariantSizes(sizes)
+        op = torch.ops.shapewise.gemv.default
+        for node in list(gm.graph.nodes):
+            found = _match(node)
+            if found is None:
+                continue
+            x, weight, bias, transpose = found
+            if not self._fits(x, weight, sizes):
+                continue
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(op, (x, weight, bias))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            if transpose is not None and not transpose.users:
+                gm.graph.erase_node(transpose)
+        gm.recompile()
+        return gm
+
+    def _fits(self, x: Any, weight: Any, sizes: VariantSizes) -> bool:
+        xv = node_value(x) if isinstance(x, torch.fx.Node) else None
+        wv = node_value(weight) if isinstance(weight, torch.fx.Node) else None
+        if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or wv.dim() != 2 or xv.dim() < 1:
+            return False
+        if xv.device.type not in self.devices or str(xv.dtype).removeprefix("torch.") not in self.dtypes:
+            return False
+        if wv.dtype != xv.dtype:
+            return False
+        shape = sizes.shape(x)
+        if shape is None or any(d is None for d in shape) or shape[-1] != sizes.evaluate(wv.shape[1]):
+            return False
+        return 1 <= math.prod(shape[:-1]) <= self.max_tokens
+

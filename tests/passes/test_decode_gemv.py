@@ -1,0 +1,130 @@
+"""``sw.passes.DecodeGemv`` and the ``shapewise::gemv`` op: the rewrite and its gating on the
+CPU (where the op is ``F.linear``), the kernel itself on the GPU (marker ``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shapewise as sw
+from shapewise.kernels.gemv import GemvConfig, gemv_configs
+from tests.helpers import assert_same
+
+CPU = dict(devices=("cpu",), dtypes=("float32",))
+
+
+class FourForms(nn.Module):
+    """The four spellings of a linear layer the pass knows."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, 2 * dim)
+        self.b = nn.Linear(2 * dim, dim, bias=False)
+        self.w = nn.Parameter(torch.randn(16, dim) / dim**0.5)
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x)))
+        flat = y.reshape(-1, y.shape[-1])
+        return y @ self.w.t(), torch.addmm(self.bias, flat, self.w.T), torch.mm(flat, self.w.transpose(0, 1))
+
+
+def _gemv_count(fast, n: int) -> int:
+    (piece,) = fast.program.compute_pieces
+    variant = next(v for v in piece.variants if v.binding.key == (n,))
+    gm = variant.gm if variant.gm is not None else piece.gm
+    return gm.code.count("torch.ops.shapewise.gemv")
+
+
+def test_linear_layers_become_gemv_at_static_sizes_up_to_max_tokens_and_nowhere_else():
+    torch.manual_seed(0)
+    model = FourForms()
+    fast = sw.compile(model, sizes=[1, 2, 3, 4, 8], ranges=[(5, 7)], backend="aot_eager",
+                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+    for n in (1, 2, 3, 4, 6, 8):
+        x = torch.randn(n, 32)
+        assert_same(fast(x), model(x), f"n={n}")
+    rows = {r["key"]: r["passes"] for r in fast.report()}
+    assert [k for k, p in rows.items() if "decode_gemv" in p] == ["{n=1}", "{n=2}", "{n=3}", "{n=4}"]
+    assert all(_gemv_count(fast, n) == 5 for n in (1, 2, 3, 4))  # two F.linear, @ .t(), addmm .T, mm .transpose
+
+
+def test_rows_count_every_leading_dim_and_other_devices_or_dtypes_are_left_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 8))
+    x = torch.randn(2, 3, 16)  # batch 2: rows are 2 * seq
+    fast = sw.compile(model, sizes={"seq": [1, 2, 3]}, dynamic_dims={"input": {1: "seq"}}, backend="aot_eager",
+                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+    fast(x)
+    passes = {r["key"]: r["passes"] for r in fast.report()}
+    assert [k for k, p in passes.items() if p] == ["{seq=1}", "{seq=2}"], passes  # 2 and 4 rows; 6 is over
+    cuda_only = sw.compile(model, sizes={"seq": [1, 2]}, dynamic_dims={"input": {1: "seq"}}, backend="aot_eager",
+                           graph_passes=[sw.passes.DecodeGemv(max_tokens=4)])  # the default: CUDA bf16/fp16
+    assert_same(cuda_only(x[:, :2]), model(x[:, :2]))
+    assert not any(r["passes"] for r in cuda_only.report())
+
+
+def test_training_through_the_op_matches_eager():
+    torch.manual_seed(0)
+    model = FourForms()
+    reference = FourForms()
+    reference.load_state_dict(model.state_dict())
+    fast = sw.compile(model, sizes=[2, 8], backend="aot_eager", graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+    for n in (2, 8):
+        x = torch.randn(n, 32, requires_grad=True)
+        xr = x.detach().clone().requires_grad_()
+        sum(o.square().sum() for o in fast(x)).backward()
+        sum(o.square().sum() for o in reference(xr)).backward()
+        assert_same(x.grad, xr.grad, f"input grad at n={n}")
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert_same(p.grad, q.grad, f"{name}.grad at n={n}")
+            p.grad = q.grad = None
+    assert _gemv_count(fast, 2) == 5 and _gemv_count(fast, 8) == 0
+
+
+def test_the_op_passes_torchs_custom_op_checks():
+    x = torch.randn(3, 24, requires_grad=True)
+    w = torch.randn(10, 24, requires_grad=True)
+    b = torch.randn(10, requires_grad=True)
+    torch.library.opcheck(torch.ops.shapewise.gemv.default, (x, w, b))
+    torch.library.opcheck(torch.ops.shapewise.gemv.default, (x[None], w, None))
+
+
+def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
+    with pytest.raises(sw.ConfigError, match="between 1 and 16"):
+        sw.passes.DecodeGemv(max_tokens=32)
+    for n, k in ((4096, 4096), (2048, 11008), (22016, 4096), (24, 64)):
+        for cfg in gemv_configs(n, k):
+            assert cfg.split_k == 1 or k >= cfg.split_k * cfg.block_k
+    assert any(c.split_k > 1 for c in gemv_configs(4096, 4096)) and all(c.split_k == 1 for c in gemv_configs(22016, 4096))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_matches_float64_at_every_config(dtype):
+    from shapewise.kernels.gemv import _launch
+
+    torch.manual_seed(0)
+    for m, n, k, bias in ((1, 4096, 4096, False), (3, 1000, 1000, True), (16, 256, 11008, True), (8, 24, 64, False)):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype)
+        b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        for cfg in [*gemv_configs(n, k), GemvConfig(16, 128, 4)]:
+            y = _launch(x, w, b, cfg)
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert y.shape == (m, n) and y.dtype == dtype and err < 1e-2, (m, n, k, bias, str(cfg), err)
+
+
+@pytest.mark.gpu
+def test_a_compiled_stack_with_the_pass_and_full_cudagraphs_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.SiLU(), nn.Linear(1024, 512)).cuda().to(torch.bfloat16)
+    fast = sw.compile(model, sizes=[1, 2, 4, 8, 32], cudagraphs="full", graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
+    with torch.no_grad():
+        for n in (1, 2, 4, 8, 32, 1, 8):
+            x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
+            assert_same(fast(x), model(x), f"n={n}")
+    passes = {r["key"]: r["passes"] for r in fast.report()}
+    assert [k for k, p in passes.items() if p] == ["{n=1}", "{n=2}", "{n=4}", "{n=8}"], passes
