@@ -138,7 +138,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvC
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (_cdiv(n, cfg.block_n), cfg.split_k)
     chunk = _cdiv(k, cfg.split_k * cfg.block_k) * cfg.block_k  # each program's slice of K
-    _kernel()[grid](x, w, b if b is not None else w, y, m, n, k, chunk, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+    _kernel()[grid](x, w, b if b is not None else w, y, m, n, k, chunk,
+                    x.stride(0), x.stride(1), w.stride(0), w.stride(1),
                     HAS_BIAS=b is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                     SPLIT_K=cfg.split_k, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)

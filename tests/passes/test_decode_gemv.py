@@ -70,7 +70,8 @@ def test_training_through_the_op_matches_eager():
     model = FourForms()
     reference = FourForms()
     reference.load_state_dict(model.state_dict())
-    fast = sw.compile(model, sizes=[2, 8], backend="aot_eager", graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+    fast = sw.compile(model, sizes=[2, 8], backend="aot_eager",
+                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
     for n in (2, 8):
         x = torch.randn(n, 32, requires_grad=True)
         xr = x.detach().clone().requires_grad_()
@@ -97,7 +98,8 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
     for n, k in ((4096, 4096), (2048, 11008), (22016, 4096), (24, 64)):
         for cfg in gemv_configs(n, k):
             assert cfg.split_k == 1 or k >= cfg.split_k * cfg.block_k
-    assert any(c.split_k > 1 for c in gemv_configs(4096, 4096)) and all(c.split_k == 1 for c in gemv_configs(22016, 4096))
+    assert any(c.split_k > 1 for c in gemv_configs(4096, 4096))
+    assert all(c.split_k == 1 for c in gemv_configs(22016, 4096))
 
 
 @pytest.mark.gpu
@@ -121,7 +123,8 @@ def test_the_kernel_matches_float64_at_every_config(dtype):
 def test_a_compiled_stack_with_the_pass_and_full_cudagraphs_matches_eager():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 1024), nn.SiLU(), nn.Linear(1024, 512)).cuda().to(torch.bfloat16)
-    fast = sw.compile(model, sizes=[1, 2, 4, 8, 32], cudagraphs="full", graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
+    fast = sw.compile(model, sizes=[1, 2, 4, 8, 32], cudagraphs="full",
+                      graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
     with torch.no_grad():
         for n in (1, 2, 4, 8, 32, 1, 8):
             x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
