@@ -44,7 +44,7 @@ def build_pipeline(
     range_options: Mapping[str, Any] | None = None,
     on_compile_error: str = "raise",
     instruments: Sequence[Instrument] = (),
-    cudagraphs: bool = False,
+    cudagraphs: bool | str | Mapping[str, Any] = False,
     capture_sizes: Any = None,
     refused: str = "error",
     fixed: Mapping[str, int] | None = None,
@@ -69,9 +69,10 @@ def build_pipeline(
     if cudagraphs and compile != "eager_all":
         raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")
     if cudagraphs:
-        # True / "piecewise" / "full", or a dict of CudaGraphs options ({"mode": "full", "pad": True}).
+        # True / "piecewise" / "full" / "full_and_piecewise", or a dict of CudaGraphs options
+        # ({"mode": "full_and_piecewise", "full_up_to": 64, "capture": "startup", "pad": True}).
         graph_opts = dict(cudagraphs) if isinstance(cudagraphs, Mapping) else {
-            "mode": "full" if cudagraphs == "full" else "piecewise"}
+            "mode": cudagraphs if isinstance(cudagraphs, str) else "piecewise"}
         passes.append(CudaGraphs(capture_sizes=capture_sizes, **graph_opts))
     elif capture_sizes is not None:
         raise ConfigError("capture_sizes is given but cudagraphs is off: pass cudagraphs=True")

@@ -13,6 +13,12 @@ static KV cache, which the graph writes in place). A piece with a host tensor in
 captured (a replay would skip its host work) and runs as compiled. Graph outputs live in the pool and are
 overwritten by the next call, so the model's final outputs are cloned before they are
 returned (``copy_outputs``).
+
+``mode="full"`` captures one graph per size around the whole forward (splitting ops included);
+``"full_and_piecewise"`` (vLLM's default) does that for the sizes up to ``full_up_to`` (decode)
+and piecewise graphs above. ``capture="startup"`` captures every size when the model is compiled
+(``capture_now``: dummy inputs, a progress bar, the memory the graphs took reported) instead of
+on the first two calls at each size.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -36,7 +43,10 @@ from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
 from shapewise.passes.base import Pass, register_pass
 
-__all__ = ["CudaGraphs", "GraphedPiece"]
+__all__ = ["MODES", "CudaGraphs", "GraphedPiece", "capture_now", "dummy_inputs"]
+
+#: The capture modes: piecewise graphs, one full graph per size, or full up to a size and piecewise above.
+MODES = ("piecewise", "full", "full_and_piecewise")
 
 log = logging.getLogger("shapewise")
 
@@ -239,9 +249,14 @@ class CudaGraphs(Pass):
     lie inside a compiled range (that range's kernels are then captured at that size).
     ``copy_outputs``: clone the model's outputs out of the graph pool (default True).
     ``mode``: ``"piecewise"`` (default: one graph per compiled piece, splitting ops run eagerly
-    between graphs) or ``"full"`` (one graph per size around the whole forward, splitting ops
+    between graphs), ``"full"`` (one graph per size around the whole forward, splitting ops
     included: the fewest launches, for splitting ops that are safe to capture, as vLLM's
-    full-graph decode mode).
+    full-graph decode mode) or ``"full_and_piecewise"`` (full graphs for the sizes whose every
+    dim is at most ``full_up_to``, piecewise above: vLLM's default, for splitting ops that are
+    safe to capture at decode sizes only).
+    ``capture``: ``"first_call"`` (default: a size is warmed up on its first call and captured on
+    its second) or ``"startup"`` (``sw.compile`` captures every size when it compiles, on dummy
+    inputs; see ``capture_now``).
     ``pad``: run every size up to the largest captured one padded (with zeros) to the next
     captured size and slice the outputs back; only for models whose rows are independent
     (each output row depends only on its input row and earlier ones, as causal attention).
@@ -252,10 +267,17 @@ class CudaGraphs(Pass):
     copy_outputs: bool = True
     mode: str = "piecewise"
     pad: bool = False
+    full_up_to: int = 128
+    capture: str = "first_call"
 
     def __post_init__(self) -> None:
-        if self.mode not in ("piecewise", "full"):
-            raise ConfigError(f"cudagraphs mode must be 'piecewise' or 'full', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"cudagraphs mode must be one of {MODES}, got {self.mode!r}")
+        if self.capture not in ("first_call", "startup"):
+            raise ConfigError(f"cudagraphs capture must be 'first_call' or 'startup', got {self.capture!r}")
+        if isinstance(self.full_up_to, bool) or not isinstance(self.full_up_to, int) or self.full_up_to < 1:
+            raise ConfigError(f"cudagraphs full_up_to must be a positive int (the largest size captured whole), "
+                              f"got {self.full_up_to!r}")
         if self.capture_sizes is not None and not isinstance(self.capture_sizes, tuple):
             sizes = self.capture_sizes
             object.__setattr__(self, "capture_sizes", tuple(sizes) if isinstance(sizes, (list, tuple)) else (sizes,))
@@ -310,22 +332,31 @@ class CudaGraphs(Pass):
             return [_Buffer(meta, layouts) if layouts is not None else None
                     for meta, layouts in zip(metas, buffer_layouts(metas, shapes.symbols, keys, piece))]
 
+        full = {key for key, _ in keys if self.is_full(key)}
+        whole_keys = [(k, b) for k, b in keys if k in full]
         buffers = {p.name: buffers_for(p.shapes.inputs, p) for p in program.compute_pieces}
-        whole_buffers = buffers_for(shapes.inputs) if self.mode == "full" else []
+        whole_buffers = ([_Buffer(meta, layouts) if layouts is not None else None for meta, layouts in
+                          zip(shapes.inputs, buffer_layouts(shapes.inputs, shapes.symbols, whole_keys))]
+                         if full else [])
         overrides = {}
         for key, binding in keys:
             callables = program.callables(binding)
-            if self.mode != "full":
+            if key not in full:
                 for p in program.compute_pieces:
                     callables[p.name] = GraphedPiece(callables[p.name], p.name, key, pool, buffers[p.name])
             run = make_runner(program.graph, callables)
-            if self.mode == "full":
+            if key in full:
                 run = GraphedPiece(run, "forward", key, pool, whole_buffers)
             overrides[key] = _copy_out(run) if self.copy_outputs else run
         if self.pad:
             overrides.update(padded_entries(program, overrides))
         table = program.dispatch.with_exact(overrides)
-        return program.replace(dispatch=table, cudagraph_keys=tuple(k for k, _ in keys))
+        return program.replace(dispatch=table, cudagraph_keys=tuple(k for k, _ in keys),
+                               capture_at_startup=self.capture == "startup")
+
+    def is_full(self, key: tuple) -> bool:
+        """Whether the size ``key`` gets one graph around the whole forward."""
+        return self.mode == "full" or (self.mode == "full_and_piecewise" and max(key, default=0) <= self.full_up_to)
 
 
 def _copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
@@ -420,3 +451,56 @@ def graphed_pieces(program: Program) -> list[GraphedPiece]:
                 out.append(value)
     return out
 
+
+
+def dummy_inputs(program: Program, key: tuple, example_inputs: Sequence[Any]) -> list[Any]:
+    """The graph's inputs at the size ``key``, for capturing it before any real call: inputs
+    whose layout depends on a dynamic size become zeros at that size's layout; the rest
+    (parameters, buffers, a static KV cache, fixed-size inputs) are the example inputs themselves,
+    as the real calls will pass them."""
+    shapes = program.shapes
+    values = dict(zip(shapes.symbols, key))
+    out = []
+    for meta, example in zip(shapes.inputs, example_inputs):
+        if isinstance(meta, sympy.Basic):
+            out.append(int(meta.subs(values)))
+        elif isinstance(meta, TensorMeta) and isinstance(example, torch.Tensor) and not _compat.has_static_address(
+                example) and any(getattr(e, "free_symbols", None) for e in (*meta.shape, *meta.stride, meta.offset)):
+            shape, stride, offset = meta.at(values)
+            length = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 1
+            storage = torch.zeros(length, dtype=meta.dtype, device=example.device)
+            out.append(storage.as_strided(shape, stride, offset))
+        else:
+            out.append(example)
+    return out
+
+
+def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool | None = None) -> dict[str, Any]:
+    """Capture every size of a program that ``CudaGraphs`` made, now, on dummy inputs
+    (``dummy_inputs``), largest first: each size runs once (its warm-up) and is captured.
+
+    Tensors the graphs write in place (a static KV cache) receive the dummy calls' writes, as in
+    vLLM's start-up capture: capture before the cache holds anything. Returns (and logs) the sizes
+    captured, the seconds it took and the device memory it reserved (the graph pool and the static
+    input buffers)."""
+    from tqdm import tqdm
+
+    keys = list(program.cudagraph_keys)
+    if not keys:
+        raise ConfigError("capture_now: the program has no CUDA-graph sizes; run CudaGraphs first")
+    before = torch.cuda.memory_reserved()
+    start = time.perf_counter()
+    show = progress if progress is not None else logging.getLogger("shapewise").isEnabledFor(logging.INFO)
+    for key in tqdm(sorted(keys, reverse=True), desc="shapewise capture", unit="size", disable=not show,
+                    leave=False):
+        args = dummy_inputs(program, key, example_inputs)
+        run = program.dispatch.exact[key]
+        run(*args)  # warm-up
+        run(*args)  # capture
+    torch.cuda.synchronize()
+    info = {"sizes": [program.dispatch.describe_key(k) for k in sorted(keys)],
+            "seconds": round(time.perf_counter() - start, 3),
+            "memory_mib": round((torch.cuda.memory_reserved() - before) / 2**20, 1)}
+    log.info("shapewise: captured %d CUDA graph size(s) at start-up in %.1f s; %.0f MiB reserved",
+             len(keys), info["seconds"], info["memory_mib"])
+    return info

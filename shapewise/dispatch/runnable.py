@@ -15,6 +15,7 @@ import torch
 import torch.fx
 
 from shapewise.concretize import attach_variants, make_bindings
+from shapewise.dispatch.cudagraphs import capture_now
 from shapewise.dispatch.guards import InputGuards
 from shapewise.dispatch.table import DispatchTable
 from shapewise.errors import CompileError
@@ -336,13 +337,28 @@ class Runnable:
         self._key = table.key_fn
         self._exact = table.exact
         self._resolve = table.resolve
+        #: What start-up capture did (``capture()``): sizes, seconds, memory; None until then.
+        self.capture_info: dict[str, Any] | None = None
+        if program.capture_at_startup:
+            self._exact = {}  # every call misses until the first one has captured every size
 
     def __call__(self, *args: Any) -> Any:
         key = self._key(args)
         fn = self._exact.get(key)
         if fn is None:
+            if self.program.capture_at_startup and self.capture_info is None:
+                self.capture(*args)
+                return self(*args)
             fn = self._resolve(key)
         return fn(*args)
+
+    def capture(self, *example_inputs: Any, progress: bool | None = None) -> dict[str, Any]:
+        """Capture every CUDA-graph size now, on dummy inputs shaped from ``example_inputs`` (the
+        graph's inputs at any size: parameters and fixed-size inputs are used as they are; see
+        ``cudagraphs.capture_now``). With ``CudaGraphs(capture="startup")`` the first call does this."""
+        self.capture_info = capture_now(self.program, example_inputs, progress)
+        self._exact = self.table.exact
+        return self.capture_info
 
     @property
     def runtime(self) -> DispatchRuntime:

@@ -222,9 +222,10 @@ class Program:
     Set by the caller: ``symbol_names`` ({symbol or its name: dim name}, read by AnalyzeShapes),
     ``on_miss`` (overrides BuildDispatch's), ``inputs_guarded_by`` ("dynamo" when Dynamo's guards
     check the inputs, so the dispatch adds none). Set by the stages: ``split_plan`` and
-    ``splitting_ops`` (Split), ``lowering`` (the Lower pass, a frozen spec, whose variants these
-    are: the dispatch compiles lazy and background variants with it), ``cudagraph_keys``,
-    ``fixed_sizes`` (Concretize: the dims this trace fixed, by name), ``rewrites`` (the Rewrite
+    ``splitting_ops`` (Split), ``cudagraph_keys`` and ``capture_at_startup`` (CudaGraphs: the sizes
+    captured, and whether the Runnable captures them all on its first call), ``lowering`` (the
+    Lower pass, a frozen spec, whose variants these are: the dispatch compiles lazy and background
+    variants with it), ``fixed_sizes`` (Concretize: the dims this trace fixed, by name), ``rewrites`` (the Rewrite
     passes applied, frozen specs: the dispatch applies them to the variants it makes itself).
     """
 
@@ -241,6 +242,7 @@ class Program:
     split_plan: Any = None
     splitting_ops: tuple[Any, ...] = ()
     cudagraph_keys: tuple[tuple, ...] = ()
+    capture_at_startup: bool = False
     fixed_sizes: Mapping[str, int] = field(default_factory=dict)
     rewrites: tuple[Any, ...] = ()
 

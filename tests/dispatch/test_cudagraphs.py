@@ -179,3 +179,47 @@ def test_padding_to_the_next_captured_size():
             assert_same(graphed(ids), model(ids), f"n={n}")
         with pytest.raises(sw.DispatchMiss):
             graphed(torch.randint(0, 64, (17,), device="cuda"))
+
+
+def test_mode_capture_and_full_up_to_are_checked_and_full_and_piecewise_splits_by_size():
+    for bad, match in ((dict(mode="fullish"), "must be one of"), (dict(capture="later"), "'first_call' or 'startup'"),
+                       (dict(full_up_to=0), "positive int")):
+        with pytest.raises(sw.ConfigError, match=match):
+            CudaGraphs(**bad)
+    both = CudaGraphs(mode="full_and_piecewise", full_up_to=8)
+    assert [both.is_full(k) for k in ((1,), (8,), (9,), (4, 16))] == [True, True, False, False]
+    assert CudaGraphs(mode="full").is_full((4096,)) and not CudaGraphs().is_full((1,))
+
+
+def test_dummy_inputs_take_each_sizes_layout_and_keep_fixed_inputs_as_passed():
+    from shapewise.dispatch.cudagraphs import dummy_inputs
+
+    weight = torch.nn.Parameter(torch.randn(6, 6))
+    gm = dynamo_graph(lambda x, w: x @ w, torch.randn(6, 5).t(), weight)  # x: a column-major [5, 6] view
+    program = sw.Pipeline([sw.Concretize(sizes=[2, 8]), sw.Lower(backend="eager"), sw.BuildDispatch()]).run(gm).program
+    n, x, w = dummy_inputs(program, (8,), [5, torch.randn(6, 5).t(), weight])  # the graph's inputs: s, x, w
+    assert n == 8
+    assert w is weight  # a fixed-size input is the caller's own
+    assert x.shape == (8, 6) and x.stride() == (1, 8) and not x.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["inductor", "eager"])
+def test_full_and_piecewise_at_startup_captures_every_size_on_the_first_call(backend):
+    torch.manual_seed(0)
+    model = ToyTransformer(layers=2, dim=64, heads=4, hidden=128, vocab=128).cuda()
+    graphed = sw.compile(model, sizes=[1, 2, 8, 32], splitting_ops=[ATTENTION_OP], backend=backend,
+                         cudagraphs={"mode": "full_and_piecewise", "full_up_to": 2, "capture": "startup"})
+    with torch.no_grad():
+        for n in (8, 1, 32, 2, 8, 1):
+            ids = torch.randint(0, 128, (n,), device="cuda")
+            assert_same(graphed(ids), model(ids), f"n={n}")
+            pieces = graphed_pieces(graphed.program)
+            assert all(p.graph is not None for p in pieces)  # all captured before the first answer
+    runnable = graphed.runnable
+    assert runnable.capture_info["sizes"] == ["{n=1}", "{n=2}", "{n=8}", "{n=32}"]
+    assert runnable.capture_info["memory_mib"] >= 0
+    whole = {p.key for p in pieces if p.name == "forward"}
+    assert whole == {(1,), (2,)}  # full graphs up to full_up_to, piecewise above
+    assert {p.key for p in pieces if p.name != "forward"} == {(8,), (32,)}
+    assert all(p.fallbacks == 0 for p in pieces)
