@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth()
     import triton
 
-    env = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "cuda": torch.version.cuda, "l2_bytes": props.L2_cache_size,
+    env = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+           "l2_bytes": props.L2_cache_size,
            "sms": props.multi_processor_count, "copy_bytes_per_s": bw, "dtype": str(dtype),
            "timing": f"CUDA-graph replays of one call per weight copy (weights > 4x L2), median of {args.repeats}"}
     print(json.dumps(env), flush=True)
@@ -109,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Decode GEMV, bf16, on {env['device']}", "",
              f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, {env['date']}. {env['timing']}.",
              f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write). % = bytes moved / time / copy bandwidth.",
-             "", "| weight N x K | rows | cuBLAS µs | cuBLAS % | shapewise gemv µs | gemv % | speed-up | gemv rel. err "
-             "| config |", "|---|---|---|---|---|---|---|---|---|"]
+             "", "| weight N x K | rows | cuBLAS µs | cuBLAS % | shapewise gemv µs | gemv % | speed-up "
+             "| gemv rel. err | config |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['N']}x{r['K']} | {r['M']} | {r['cublas_us']:.2f} | {r['cublas_bw_frac']:.0%} | "
                      f"{r['shapewise_gemv_us']:.2f} | {r['shapewise_gemv_bw_frac']:.0%} | "
-                     f"{r['cublas_us'] / r['shapewise_gemv_us']:.2f}x | {r['shapewise_gemv_err']:.1e} | {r['config']} |")
+                     f"{r['cublas_us'] / r['shapewise_gemv_us']:.2f}x | {r['shapewise_gemv_err']:.1e} | "
+                     f"{r['config']} |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     print(table)

@@ -19,7 +19,7 @@ nbformat = pytest.importorskip("nbformat")
 pytestmark = pytest.mark.notebooks
 
 FOLDER = Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = ["01_split_graphs", "02_symbolic_shapes", "03_dispatch_and_speed"]
+NOTEBOOKS = ["01_split_graphs", "02_symbolic_shapes", "03_dispatch_and_speed", "04_write_a_pass"]
 
 # Outputs each notebook must produce (beyond running without an error): the things it is about.
 EXPECTED = {
@@ -30,6 +30,11 @@ EXPECTED = {
                            "GuardViolation: range {s=6..9} ends at the size"],
     "03_dispatch_and_speed": ["DispatchTable: 3 exact", "DispatchMiss: no compiled variant for size {n=17}",
                               "per lookup", "image/png", "shapewise static"],
+    "04_write_a_pass": ["tanh_gelu.applies({'n': (5, 63)}) -> False", "<th>passes</th>",
+                        ">tanh_gelu{max_tokens=4}</td>",
+                        "rewritten by tanh_gelu{max_tokens=4} (its graph below)", "approximate = 'tanh'",
+                        "lower{backend=aot_eager}", "every size matches eager within its tolerance",
+                        "aot_eager; median of 30 calls", "tanh / exact"],
 }
 
 

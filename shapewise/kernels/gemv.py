@@ -73,8 +73,9 @@ def gemv_configs(n: int, k: int, sms: int = 132) -> list[GemvConfig]:
     a few tilings, each with one K slice and, where it has fewer tiles than two per
     multiprocessor, with enough K slices for that (a power of two, at most 8)."""
     out = []
-    for bn, bk, warps, stages in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4),
-                                  (32, 512, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4)):
+    for bn, bk, warps, stages in ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 8, 4),
+                                  (32, 128, 4, 8), (32, 256, 4, 4), (32, 256, 4, 6), (32, 512, 8, 3),
+                                  (64, 256, 8, 3), (64, 128, 4, 4)):
         splits = [1]
         want = _cdiv(2 * sms, _cdiv(n, bn))
         if want > 1:
@@ -177,14 +178,14 @@ def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: lis
     best, best_ms = None, float("inf")
     for cfg in configs:
         try:
-            ms = do_bench(lambda cfg=cfg: _launch(x, w, b, cfg), warmup=2, rep=8, return_mode="median")
+            ms = do_bench(lambda cfg=cfg: _launch(x, w, b, cfg), warmup=5, rep=25, return_mode="median")
         except Exception as e:  # a config that does not compile or fit is skipped
             log.debug("shapewise gemv: config %s failed for %s: %s", cfg, _key(x, w, b), e)
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
     try:
-        linear_ms = do_bench(lambda: F.linear(x, w, b), warmup=2, rep=8, return_mode="median")
+        linear_ms = do_bench(lambda: F.linear(x, w, b), warmup=5, rep=25, return_mode="median")
     except Exception:
         linear_ms = float("inf")
     if best is None:

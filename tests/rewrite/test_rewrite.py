@@ -1,5 +1,6 @@
-"""Rewrite: graph passes per (piece, variant), gated by sizes; visible in the report and the
-printer, checked by Verify, part of the content key; Inductor post-grad passes the same way."""
+"""Rewrite: graph passes per (piece, variant), gated by sizes (a range's as its (low, high));
+visible in the report and the printer, checked by Verify, part of the content key; rewritten
+variants run forward and backward in training; Inductor post-grad passes the same way."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from torch import nn
 from torch.fx import subgraph_rewriter
 
 import shapewise as sw
@@ -236,3 +238,150 @@ def test_rewrite_after_lower_is_refused():
     with pytest.raises(sw.ConfigError, match="Rewrite runs before Lower"):
         sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[4]), sw.Lower(backend="aot_eager"),
                      sw.Rewrite(passes=[ReluToClamp()])]).run(gm)
+
+
+# -- a value-preserving rewrite whose every run is counted --------------------------------------------
+# relu as two custom ops that count their calls by the token count (the forward, and its backward
+# as an op of its own, so that AOTAutograd keeps it a call in the backward graph rather than
+# tracing its body away): a rewritten variant that really runs says so, at run time.
+CALLS: dict[str, list[int]] = {"forward": [], "backward": []}
+
+
+@torch.library.custom_op("shapewise_test::counted_relu", mutates_args=())
+def counted_relu(x: torch.Tensor) -> torch.Tensor:
+    CALLS["forward"].append(x.shape[0])
+    return torch.relu(x)
+
+
+@counted_relu.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("shapewise_test::counted_relu_backward", mutates_args=())
+def counted_relu_backward(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    CALLS["backward"].append(grad.shape[0])
+    return grad * (out > 0)
+
+
+@counted_relu_backward.register_fake
+def _(grad, out):
+    return torch.empty_like(grad)
+
+
+def _counted_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _counted_grad(ctx, grad):
+    (out,) = ctx.saved_tensors
+    return torch.ops.shapewise_test.counted_relu_backward(grad, out)
+
+
+counted_relu.register_autograd(_counted_grad, setup_context=_counted_setup)
+
+
+def _counted(x):
+    return torch.ops.shapewise_test.counted_relu(x)
+
+
+def _calls() -> dict[str, list[int]]:
+    """The counted calls so far, and a fresh count."""
+    out = {k: list(v) for k, v in CALLS.items()}
+    for v in CALLS.values():
+        v.clear()
+    return out
+
+
+@dataclass(frozen=True)
+class CountedRelu(ReluToClamp):
+    """relu -> shapewise_test::counted_relu at static sizes up to ``limit``."""
+
+    name: ClassVar[str] = "counted_relu"
+
+    def rewrite(self, gm, sizes):
+        subgraph_rewriter.replace_pattern(gm, _relu, _counted)
+        return gm
+
+
+def test_a_pass_on_a_range_variant_sees_the_range_and_its_rewrite_serves_every_size_in_it():
+    seen: list[dict] = []
+
+    @dataclass(frozen=True)
+    class OnShortRanges(CountedRelu):
+        """Only on range variants that end at ``limit`` or below."""
+
+        name: ClassVar[str] = "on_short_ranges"
+        limit: int = 16
+
+        def applies(self, sizes):
+            seen.append(dict(sizes))
+            return all(isinstance(v, tuple) and v[1] <= self.limit for v in sizes.values())
+
+    w = torch.randn(16, 16)
+    fast = sw.compile(model, sizes=[4], ranges=[(9, 16), (17, 32)], splitting_ops=[ATTENTION_OP], backend="aot_eager",
+                      dynamic_dims={"x": 0}, graph_passes=[OnShortRanges()])
+    _calls()
+    for n in (9, 12, 16, 4, 17, 25, 32):
+        x = torch.randn(n, 16)
+        assert_same(fast(x, w), model(x, w), f"n={n}")
+    # Asked once per (compute piece, variant), a range as its (low, high).
+    pieces = len(fast.program.compute_pieces)
+    assert sorted(map(str, seen)) == sorted(map(str, [{"n": 4}, {"n": (9, 16)}, {"n": (17, 32)}] * pieces))
+    # The rewritten range variant is what ran at every size inside its range, and only there.
+    assert _calls() == {"forward": [9, 12, 16], "backward": []}
+    last = fast.program.compute_pieces[-1]
+    assert {v.binding.describe(last.shapes.names): v.gm is not None for v in last.variants} == {
+        "{n=4}": False, "{n=9..16}": True, "{n=17..32}": False}
+    rows = {r["key"]: r["passes"] for r in fast.report() if r["piece"] == last.name}
+    assert rows == {"{n=4}": "", "{n=9..16}": "on_short_ranges{limit=16}", "{n=17..32}": ""}, rows
+    assert not any(r["passes"] for r in fast.report() if r["piece"] != last.name)  # no relu there
+
+
+class ReluNet(nn.Module):
+    """Linear, attention (the splitting op), relu, linear: parameters on both sides of the split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.inp(x).view(x.shape[0], 2, 8)
+        a = torch.ops.shapewise_toy.attention(q, q, q).reshape(x.shape[0], 16)
+        return self.out(torch.relu(a))
+
+
+def _grads(net: nn.Module, call, x: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """Loss, parameter grads and input grad of ``call(x).square().mean().backward()``."""
+    net.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    loss = call(x).square().mean()
+    loss.backward()
+    return loss.detach(), {k: p.grad for k, p in net.named_parameters()}, x.grad
+
+
+def test_passes_under_training_forward_and_backward_equal_eager_where_they_apply_and_elsewhere():
+    torch.manual_seed(0)
+    net = ReluNet()
+    fast = sw.compile(net, sizes=[1, 2, 8], ranges=[(9, 16)], splitting_ops=[ATTENTION_OP], backend="aot_eager",
+                      graph_passes=[CountedRelu(limit=2)])
+    _calls()
+    for n in (2, 8, 1, 12, 16, 2):
+        x = torch.randn(n, 16)
+        loss, params, x_grad = _grads(net, fast, x)
+        ran = _calls()
+        # the rewritten forward, and the backward AOTAutograd derived from it, ran exactly at the
+        # sizes the pass applies to
+        assert ran == ({"forward": [n], "backward": [n]} if n <= 2 else {"forward": [], "backward": []}), (n, ran)
+        ref_loss, ref_params, ref_x_grad = _grads(net, net, x)
+        assert _calls() == {"forward": [], "backward": []}  # eager never sees the custom op
+        assert_same(loss, ref_loss, f"n={n} loss")
+        assert params.keys() == ref_params.keys() and all(g is not None for g in params.values())
+        for name, g in params.items():
+            assert_same(g, ref_params[name], f"n={n} grad {name}")
+        assert_same(x_grad, ref_x_grad, f"n={n} input grad")
+    assert fast.traces == 1
+    rows = {r["key"]: r["passes"] for r in fast.report() if r["piece"] == fast.program.compute_pieces[-1].name}
+    rewritten = "counted_relu{limit=2}"
+    assert rows == {"{n=1}": rewritten, "{n=2}": rewritten, "{n=8}": "", "{n=9..16}": ""}, rows
