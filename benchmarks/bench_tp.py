@@ -52,46 +52,15 @@ from typing import Any
 
 # Nothing here touches CUDA at import (CUDA_VISIBLE_DEVICES is set per rank before CUDA starts).
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from shapewise.models import ATTENTION_OP as ATTN  # noqa: E402
 from shapewise.models import TPLlama  # noqa: E402
 
-__all__ = ["BenchTPLlama", "main"]
+__all__ = ["main"]
 
-ATTN = "bench_tp::attention"
-T0 = time.time()
-
-
-@torch.library.custom_op(ATTN, mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over ``[T, H, D]`` tokens, through SDPA on 4-D inputs (the fused
-    kernels need 4-D; ``shapewise_toy::attention`` passes 3-D, which on CUDA means the math
-    kernel, several times slower at 4096 tokens)."""
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       is_causal=True)
-    return torch.empty_like(q).copy_(o[0].transpose(0, 1))  # the layout the fake promises
-
-
-@attention.register_fake
-def _(q, k, v):
-    return torch.empty_like(q)
-
-
-class BenchTPLlama(TPLlama):
-    """``TPLlama`` with the 4-D attention op above; the same weights, shards and collectives."""
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        t, local_heads = ids.shape[0], self.heads // self.world
-        for layer in self.layers:
-            q, k, v = layer.qkv(layer.norm1(x)).view(t, 3, local_heads, self.dim // self.heads).unbind(1)
-            a = torch.ops.bench_tp.attention(q, k, v).reshape(t, -1)
-            x = x + self._reduce(layer.o(a))
-            gate, up = layer.gate_up(layer.norm2(x)).chunk(2, dim=-1)
-            x = x + self._reduce(layer.down(F.silu(gate) * up))
-        return self.head(self.norm(x))
+T0 = float(os.environ.get("BENCH_TP_T0", time.time()))  # the parent's clock, so every line's +s agrees
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -115,6 +84,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sw-mode", default=None,
                     help="shapewise cudagraphs: full (default on CUDA), piecewise, full_and_piecewise, none "
                          "(default on CPU)")
+    ap.add_argument("--sw-capture", default="first_call", choices=("first_call", "startup"),
+                    help="when shapewise captures: a size's second call (default) or every size on the first call")
+    ap.add_argument("--sw-full-up-to", type=int, default=None,
+                    help="full_and_piecewise: the largest size captured whole (default: shapewise's)")
     ap.add_argument("--backend", default="inductor", help="shapewise backend (inductor; aot_eager for a fast smoke)")
     ap.add_argument("--contenders", default="shapewise,eager,reduce-overhead",
                     help="comma list (shapewise always runs: it is the cold start)")
@@ -124,7 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tol", type=float, default=None, help="relative L2 tolerance (default 2e-2 bf16, 1e-4 fp32)")
     ap.add_argument("--no-isolate", dest="isolate", action="store_false",
                     help="let every rank see every GPU (rank r on cuda:r; shapewise's keys then differ per rank)")
-    ap.add_argument("--phase-timeout", type=float, default=280.0, help="seconds per world size before its ranks are "
+    ap.add_argument("--phase-timeout", type=float, default=270.0, help="seconds per world size before its ranks are "
                                                                        "killed (what they wrote is kept)")
     ap.add_argument("--work", default=None, help="folder for the caches (default: a fresh temp folder, removed)")
     ap.add_argument("--keep-work", action="store_true", help="keep the cache folders")
@@ -147,14 +120,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def cudagraphs_option(mode: str) -> Any:
-    """``--sw-mode`` as ``sw.compile``'s ``cudagraphs``: none -> False, piecewise -> True, else the string."""
-    return {"none": False, "piecewise": True}.get(mode, mode)
+def cudagraphs_option(args: argparse.Namespace) -> Any:
+    """``--sw-mode`` (and ``--sw-capture``, ``--sw-full-up-to``) as ``sw.compile``'s ``cudagraphs``:
+    none -> False, piecewise -> True, else the mode's name, or a dict when the other two are given."""
+    if args.sw_mode == "none":
+        return False
+    extra = {k: v for k, v in (("capture", args.sw_capture), ("full_up_to", args.sw_full_up_to))
+             if v is not None and (k, v) != ("capture", "first_call")}
+    if extra:
+        return {"mode": args.sw_mode, **extra}
+    return True if args.sw_mode == "piecewise" else args.sw_mode
 
 
 def log(tag: str, msg: str) -> None:
     now = datetime.datetime.now().strftime("%H:%M:%S")
-    print(f"[{now} +{time.time() - T0:6.1f}s {tag}] {msg}", flush=True)
+    sys.stdout.write(f"[{now} +{time.time() - T0:6.1f}s {tag}] {msg}\n")  # one write: ranks share stdout
+    sys.stdout.flush()
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -246,14 +227,14 @@ class Rank:
         d = a.dims
         torch.manual_seed(0)  # every rank, and the TP=1 process, build the same weights
         with torch.device(device):
-            full = BenchTPLlama(a.layers, d["dim"], d["heads"], d["hidden"], d["vocab"], world=1)
+            full = TPLlama(a.layers, d["dim"], d["heads"], d["hidden"], d["vocab"], world=1)
         full = full.to(dtype).eval().requires_grad_(False)
         ids = {n: torch.randint(0, d["vocab"], (n,), generator=torch.Generator().manual_seed(n)).to(device)
                for n in a.token_list}
         refs = {n: full(x) for n, x in ids.items()}
         if self.world > 1:
             with torch.device(device):
-                part = BenchTPLlama.shard(full, self.rank, self.world)
+                part = TPLlama.shard(full, self.rank, self.world)
             part = part.to(dtype).eval().requires_grad_(False)
             del full
             gc.collect()
@@ -282,7 +263,7 @@ class Rank:
             row.setdefault("err_vs_eager", {})[n] = rel_err(y, eager_out[n])
 
         # 2. Cold start: shapewise, every size, one cache folder for every rank.
-        mode = cudagraphs_option(a.sw_mode)
+        mode = cudagraphs_option(a)
         name = f"shapewise {a.sw_mode}"
         row: dict[str, Any] = {"us": {}, "first_call_s": {}}
         r["contenders"][name] = row
@@ -393,8 +374,8 @@ class Rank:
         """Who compiled what: this rank's compiled / loaded artifacts, and per artifact the
         rank the report names (the ``rank`` column when world > 1)."""
         rows = [dict(row) for row in fast.report()]
-        by_artifact: dict[str, dict[str, Any]] = {}
-        for row in rows:
+        by_artifact: dict[str, dict[str, Any]] = {}  # the row that compiled or loaded each artifact
+        for row in sorted(rows, key=lambda row: row.get("source") not in ("compiled", "cache")):
             if row.get("artifact"):
                 by_artifact.setdefault(row["artifact"], row)
         compiled = sorted({row["artifact"] for row in rows if row.get("source") == "compiled" and row.get("artifact")})
@@ -416,6 +397,7 @@ class Rank:
             "traces": fast.traces,
             "pieces": len(fast.program.compute_pieces),
             "stages": stages,
+            "capture_info": getattr(fast.runnable, "capture_info", None),  # capture="startup": time, memory
             "rows": [{k: row.get(k) for k in ("piece", "key", "source", "artifact", "rank", "seconds")}
                      for row in rows],
         }
@@ -509,7 +491,7 @@ def gpu_list() -> list[str]:
 def child_env(args: argparse.Namespace, world: int, rank: int, work: Path, port: int, logs: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update({
-        "BENCH_TP_ROLE": "worker", "BENCH_TP_LAUNCH": repr(time.time()),
+        "BENCH_TP_ROLE": "worker", "BENCH_TP_LAUNCH": repr(time.time()), "BENCH_TP_T0": repr(T0),
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -520,8 +502,7 @@ def child_env(args: argparse.Namespace, world: int, rank: int, work: Path, port:
             gpus = gpu_list()
             env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
         if "NCCL_DEBUG" not in os.environ:  # which transport NCCL picked, read back by the parent
-            env.update({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT",
-                        "NCCL_DEBUG_FILE": str(logs / f"nccl-tp{world}-r{rank}.%p.log")})
+            env.update({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": str(logs / f"nccl-tp{world}-r{rank}.%p.log")})
     return env
 
 
@@ -562,41 +543,39 @@ def run_phase(args: argparse.Namespace, world: int, out: Path, work: Path) -> di
             "--sw-cache", str(sw_cache)]
     procs = []
     t0 = time.time()
-    for rank in range(world):
-        err = open(logs / f"tp{world}-r{rank}.stderr.log", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen(argv, env=child_env(args, world, rank, work, port, logs), cwd=ROOT,
-                                       stdout=None, stderr=err, start_new_session=True), err))
-    log("parent", f"TP={world}: started {world} rank(s) (pids {[p.pid for p, _ in procs]}), "
-                  f"timeout {args.phase_timeout:.0f} s")
     ended, failed_at = "ok", None
-    while True:
-        codes = [p.poll() for p, _ in procs]
-        if all(c is not None for c in codes):
-            if any(c != 0 for c in codes):
-                ended = f"exit codes {codes}"
-            break
-        if any(c not in (None, 0) for c in codes) and failed_at is None:
-            failed_at = time.time()
-        if failed_at is not None and time.time() - failed_at > 30:
-            ended = f"a rank failed (exit codes {codes}); the others were killed"
-            break
-        if time.time() - t0 > args.phase_timeout:
-            ended = f"timed out after {args.phase_timeout:.0f} s; killed"
-            break
-        time.sleep(0.5)
-    for p, err in procs:
-        if p.poll() is None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    break
+    try:
+        for rank in range(world):
+            err = open(logs / f"tp{world}-r{rank}.stderr.log", "w")  # noqa: SIM115 - closed below
+            procs.append((subprocess.Popen(argv, env=child_env(args, world, rank, work, port, logs), cwd=ROOT,
+                                           stderr=err), err))
+        log("parent", f"TP={world}: started {world} rank(s) (pids {[p.pid for p, _ in procs]}), "
+                      f"timeout {args.phase_timeout:.0f} s")
+        while True:
+            codes = [p.poll() for p, _ in procs]
+            if all(c is not None for c in codes):
+                if any(c != 0 for c in codes):
+                    ended = f"exit codes {codes}"
+                break
+            if any(c not in (None, 0) for c in codes) and failed_at is None:
+                failed_at = time.time()
+            if failed_at is not None and time.time() - failed_at > 30:
+                ended = f"a rank failed (exit codes {codes}); the others were killed"
+                break
+            if time.time() - t0 > args.phase_timeout:
+                ended = f"timed out after {args.phase_timeout:.0f} s; killed"
+                break
+            time.sleep(0.5)
+    finally:  # also on an exception or a signal here: no rank outlives its phase
+        for p, err in procs:
+            if p.poll() is None:
+                p.terminate()
                 try:
                     p.wait(timeout=10)
-                    break
                 except subprocess.TimeoutExpired:
-                    continue
-        err.close()
+                    p.kill()
+                    p.wait()
+            err.close()
     wall = time.time() - t0
     log("parent", f"TP={world}: {ended} after {wall:.0f} s")
     if ended != "ok":
@@ -840,10 +819,10 @@ def metadata(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
         "env": env,
         "config": {
             "device": args.device, "dtype": args.dtype, "tokens": args.token_list, "worlds": args.world_list,
-            "model": {"class": "TPLlama (bench_tp.BenchTPLlama: 4-D SDPA attention op)", "layers": args.layers,
+            "model": {"class": "shapewise.models.TPLlama", "layers": args.layers,
                       **d, "parallelism": "qkv, gate_up column-parallel; o, down row-parallel + all-reduce; "
                                           "embedding, norms, head replicated"},
-            "sw_mode": args.sw_mode, "cudagraphs_option": cudagraphs_option(args.sw_mode), "backend": args.backend,
+            "sw_mode": args.sw_mode, "cudagraphs_option": cudagraphs_option(args), "backend": args.backend,
             "contenders": args.contender_list, "tolerance": args.tol, "isolate_gpus": args.isolate,
             "timing": (f"{'CUDA events' if args.device == 'cuda' else 'perf_counter'} around each forward, "
                        f"{args.rounds} rounds x {args.iters} back-to-back forwards after {args.warmup} warm-up calls, "
@@ -854,8 +833,8 @@ def metadata(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
                            "size); launch_to_ready_s: from the parent's Popen; cold start uses the same token "
                            "counts as the timing"),
             "reference": "the single-process (TP=1) model run eagerly in each rank's process, same seed and weights",
-            "compile_threads_per_rank": cache_env(args, max(args.world_list), 0, Path("."))[
-                "TORCHINDUCTOR_COMPILE_THREADS"],
+            "inductor_compile_threads_per_rank": {
+                str(w): cache_env(args, w, 0, Path("."))["TORCHINDUCTOR_COMPILE_THREADS"] for w in args.world_list},
         },
     }
 
@@ -864,6 +843,7 @@ def torchrun_main(args: argparse.Namespace) -> int:
     """Under torchrun: this process is one rank of WORLD_SIZE; one world size per launch.
     Results merge with earlier launches into the same --out (tp1/, tp2/ folders)."""
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    args.world_list = [world]
     out = Path(args.out)
     work = Path(args.work or Path(tempfile.gettempdir()) / f"bench_tp-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
     phase_dir, sw_cache = out / f"tp{world}", work / f"sw-cache-tp{world}"
@@ -873,6 +853,9 @@ def torchrun_main(args: argparse.Namespace) -> int:
     ind = Path(cache_env(args, world, rank, work)["TORCHINDUCTOR_CACHE_DIR"])
     shutil.rmtree(ind, ignore_errors=True)
     os.environ.update(cache_env(args, world, rank, work))
+    from torch._inductor import config as inductor_config  # read its threads at import: set them here too
+
+    inductor_config.compile_threads = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
     if rank == 0:  # before init_process_group, which no rank leaves before every rank is in it
         shutil.rmtree(sw_cache, ignore_errors=True)
         shutil.rmtree(phase_dir, ignore_errors=True)
@@ -917,6 +900,11 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     meta = metadata(args, hardware(args))
     log("parent", f"config: {json.dumps(meta['config'])}")
+
+    def on_term(signum: int, frame: Any) -> None:  # a timeout's SIGTERM: stop the ranks, keep the results
+        raise SystemExit(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
     info: dict[int, dict[str, Any]] = {}
     try:
         for world in args.world_list:

@@ -20,7 +20,10 @@ ATTENTION_OUT_OP = "shapewise_toy::attention_out"
 @torch.library.custom_op(ATTENTION_OP, mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over ``[T, H, D]`` tokens of one sequence (a stand-in for a real kernel)."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    # 4-D [1, H, T, D]: SDPA's fused kernels (flash, memory-efficient) take only 4-D inputs; 3-D
+    # would run the math kernel, which builds the whole [H, T, T] score matrix.
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True)[0]
     return torch.empty_like(q).copy_(out.transpose(0, 1))  # the layout the fake kernel promises
 
 
@@ -37,8 +40,8 @@ def _attention_backward(ctx, grad):
     q, k, v = ctx.saved_tensors
     with torch.enable_grad():
         q_, k_, v_ = (t.detach().requires_grad_(True) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q_.transpose(0, 1), k_.transpose(0, 1), v_.transpose(0, 1),
-                                             is_causal=True).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q_.transpose(0, 1)[None], k_.transpose(0, 1)[None],
+                                             v_.transpose(0, 1)[None], is_causal=True)[0].transpose(0, 1)
         return torch.autograd.grad(out, (q_, k_, v_), grad)
 
 

@@ -488,7 +488,6 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
     keys = list(program.cudagraph_keys)
     if not keys:
         raise ConfigError("capture_now: the program has no CUDA-graph sizes; run CudaGraphs first")
-    before = torch.cuda.memory_reserved()
     start = time.perf_counter()
     show = progress if progress is not None else logging.getLogger("shapewise").isEnabledFor(logging.INFO)
     for key in tqdm(sorted(keys, reverse=True), desc="shapewise capture", unit="size", disable=not show,
@@ -499,8 +498,19 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
         run(*args)  # capture
     torch.cuda.synchronize()
     info = {"sizes": [program.dispatch.describe_key(k) for k in sorted(keys)],
-            "seconds": round(time.perf_counter() - start, 3),
-            "memory_mib": round((torch.cuda.memory_reserved() - before) / 2**20, 1)}
-    log.info("shapewise: captured %d CUDA graph size(s) at start-up in %.1f s; %.0f MiB reserved",
-             len(keys), info["seconds"], info["memory_mib"])
+            "seconds": round(time.perf_counter() - start, 3), **graph_memory(program)}
+    log.info("shapewise: captured %d CUDA graph size(s) at start-up in %.1f s; graph pool %.0f MiB, static input "
+             "buffers %.0f MiB", len(keys), info["seconds"], info["pool_mib"], info["buffers_mib"])
     return info
+
+
+def graph_memory(program: Program) -> dict[str, float]:
+    """The device memory a program's CUDA graphs hold: their shared pool (the segments the caching
+    allocator keeps for it) and the static input buffers, in MiB."""
+    pieces = graphed_pieces(program)
+    pools = {tuple(p.pool.handle) for p in pieces if p.pool.handle is not None}
+    pool_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                     if tuple(seg.get("segment_pool_id", ())) in pools)
+    buffers = {id(b): b for p in pieces for b in p.buffers if b is not None and b.storage is not None}
+    buffer_bytes = sum(b.storage.numel() * b.storage.element_size() for b in buffers.values())
+    return {"pool_mib": round(pool_bytes / 2**20, 1), "buffers_mib": round(buffer_bytes / 2**20, 1)}
