@@ -54,6 +54,18 @@ def _(q, k, v):
     return torch.empty_like(q)
 
 
+@torch.library.custom_op(ATTN + "_out", mutates_args=("out",))
+def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    """``attention`` writing into ``out`` (vLLM's attention-with-output form): with piecewise CUDA
+    graphs ``out`` is allocated by the graph before the op, so the graph after reads it in place."""
+    out.copy_(attention(q, k, v))
+
+
+@attention_out.register_fake
+def _(q, k, v, out):
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -71,9 +83,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Layer(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+    def __init__(self, dim: int, heads: int, hidden: int, out_variant: bool = False) -> None:
         super().__init__()
-        self.heads, self.head_dim = heads, dim // heads
+        self.heads, self.head_dim, self.out_variant = heads, dim // heads, out_variant
         self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.o = nn.Linear(dim, dim, bias=False)
@@ -84,7 +96,11 @@ class Layer(nn.Module):
         t = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(t, 3, self.heads, self.head_dim).unbind(1)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        a = torch.ops.bench_llama.attention(q, k, v)
+        if self.out_variant:
+            a = torch.empty_like(q)
+            torch.ops.bench_llama.attention_out(q, k, v, a)
+        else:
+            a = torch.ops.bench_llama.attention(q, k, v)
         x = x + self.o(a.reshape(t, -1))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -93,9 +109,10 @@ class Layer(nn.Module):
 class Stack(nn.Module):
     """Llama-style layers over flattened tokens: hidden states [T, dim] -> [T, dim]."""
 
-    def __init__(self, layers: int, dim: int, heads: int, hidden: int, max_tokens: int) -> None:
+    def __init__(self, layers: int, dim: int, heads: int, hidden: int, max_tokens: int,
+                 out_variant: bool = False) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Layer(dim, heads, hidden) for _ in range(layers))
+        self.layers = nn.ModuleList(Layer(dim, heads, hidden, out_variant) for _ in range(layers))
         hd = dim // heads
         inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
         freqs = torch.outer(torch.arange(max_tokens).float(), inv)

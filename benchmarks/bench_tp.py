@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="when shapewise captures: a size's second call (default) or every size on the first call")
     ap.add_argument("--sw-full-up-to", type=int, default=None,
                     help="full_and_piecewise: the largest size captured whole (default: shapewise's)")
+    ap.add_argument("--decode-gemv", type=int, default=0, metavar="MAX_TOKENS",
+                    help="add sw.passes.DecodeGemv(max_tokens=MAX_TOKENS) to shapewise (0: off, the default)")
     ap.add_argument("--backend", default="inductor", help="shapewise backend (inductor; aot_eager for a fast smoke)")
     ap.add_argument("--contenders", default="shapewise,eager,reduce-overhead",
                     help="comma list (shapewise always runs: it is the cold start)")
@@ -264,14 +266,15 @@ class Rank:
 
         # 2. Cold start: shapewise, every size, one cache folder for every rank.
         mode = cudagraphs_option(a)
-        name = f"shapewise {a.sw_mode}"
+        name = f"shapewise {a.sw_mode}" + (f"+DecodeGemv({a.decode_gemv})" if a.decode_gemv else "")
+        passes = [sw.passes.DecodeGemv(max_tokens=a.decode_gemv)] if a.decode_gemv else []
         row: dict[str, Any] = {"us": {}, "first_call_s": {}}
         r["contenders"][name] = row
         self.barrier()
         t0 = time.perf_counter()
         try:
             fast = sw.compile(part, sizes=a.token_list, splitting_ops=[ATTN], backend=a.backend, cudagraphs=mode,
-                              cache=str(self.sw_cache), progress=False)
+                              cache=str(self.sw_cache), progress=False, graph_passes=passes)
             for n, x in ids.items():
                 t1 = time.perf_counter()
                 y = fast(x)
@@ -821,8 +824,9 @@ def metadata(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
             "device": args.device, "dtype": args.dtype, "tokens": args.token_list, "worlds": args.world_list,
             "model": {"class": "shapewise.models.TPLlama", "layers": args.layers,
                       **d, "parallelism": "qkv, gate_up column-parallel; o, down row-parallel + all-reduce; "
-                                          "embedding, norms, head replicated"},
-            "sw_mode": args.sw_mode, "cudagraphs_option": cudagraphs_option(args), "backend": args.backend,
+                                          "head vocab-parallel + all-gather; embedding, norms replicated"},
+            "sw_mode": args.sw_mode, "decode_gemv": args.decode_gemv, "cudagraphs_option": cudagraphs_option(args),
+            "backend": args.backend,
             "contenders": args.contender_list, "tolerance": args.tol, "isolate_gpus": args.isolate,
             "timing": (f"{'CUDA events' if args.device == 'cuda' else 'perf_counter'} around each forward, "
                        f"{args.rounds} rounds x {args.iters} back-to-back forwards after {args.warmup} warm-up calls, "

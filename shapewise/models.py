@@ -128,16 +128,18 @@ class TPLlama(nn.Module):
     """A Llama-style decoder over flattened tokens ``[T]`` -> logits ``[T, vocab]``, tensor
     parallel over ``world`` ranks as Megatron splits it: column-parallel ``qkv`` and ``gate_up``
     (each rank holds its heads and its slice of the hidden units), row-parallel ``o`` and
-    ``down`` followed by an all-reduce (``torch.distributed``'s functional collectives, which
-    Dynamo traces); embedding, norms and the head are replicated. ``world=1`` is the
-    single-process model; ``TPLlama.shard(full, rank, world)`` is one rank's part of it.
+    ``down`` followed by an all-reduce, and a vocab-parallel head (each rank computes its slice
+    of the logits, then an all-gather) (``torch.distributed``'s functional collectives, which
+    Dynamo traces); embedding and norms are replicated. ``world=1`` is the single-process model;
+    ``TPLlama.shard(full, rank, world)`` is one rank's part of it.
     """
 
     def __init__(self, layers: int = 2, dim: int = 64, heads: int = 4, hidden: int = 128, vocab: int = 128,
                  world: int = 1) -> None:
         super().__init__()
-        if heads % world or hidden % world:
-            raise ValueError(f"heads ({heads}) and hidden ({hidden}) must divide by the world size ({world})")
+        if heads % world or hidden % world or vocab % world:
+            raise ValueError(f"heads ({heads}), hidden ({hidden}) and vocab ({vocab}) must divide by the world size "
+                             f"({world})")
         self.dim, self.heads, self.hidden, self.world = dim, heads, hidden, world
         local_dim, local_hidden = dim // world, hidden // world
         self.embed = nn.Embedding(vocab, dim)
@@ -151,7 +153,8 @@ class TPLlama(nn.Module):
             layer.down = nn.Linear(local_hidden, dim, bias=False)
             self.layers.append(layer)
         self.norm = RMSNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
+        self.vocab = vocab
+        self.head = nn.Linear(dim, vocab // world, bias=False)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
@@ -160,6 +163,15 @@ class TPLlama(nn.Module):
         import torch.distributed._functional_collectives as funcol
 
         return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of the last dim, side by side (the vocab-parallel head's logits)."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        return funcol.all_gather_tensor(x, gather_dim=x.dim() - 1, group=dist.group.WORLD)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
@@ -170,17 +182,18 @@ class TPLlama(nn.Module):
             x = x + self._reduce(layer.o(a))
             gate, up = layer.gate_up(layer.norm2(x)).chunk(2, dim=-1)
             x = x + self._reduce(layer.down(F.silu(gate) * up))
-        return self.head(self.norm(x))
+        return self._gather(self.head(self.norm(x)))
 
     @classmethod
     def shard(cls, full: TPLlama, rank: int, world: int) -> TPLlama:
         """Rank ``rank``'s part of the single-process model ``full`` (weights copied)."""
-        part = cls(len(full.layers), full.dim, full.heads, full.hidden, full.head.out_features, world)
-        ld, lh = full.dim // world, full.hidden // world
+        part = cls(len(full.layers), full.dim, full.heads, full.hidden, full.vocab, world)
+        ld, lh, lv = full.dim // world, full.hidden // world, full.vocab // world
         cols, hid = slice(rank * ld, (rank + 1) * ld), slice(rank * lh, (rank + 1) * lh)
         with torch.no_grad():
-            for name in ("embed.weight", "norm.weight", "head.weight"):
+            for name in ("embed.weight", "norm.weight"):
                 part.get_parameter(name).copy_(full.get_parameter(name))
+            part.head.weight.copy_(full.head.weight[rank * lv:(rank + 1) * lv])
             for mine, theirs in zip(part.layers, full.layers):
                 mine.norm1.weight.copy_(theirs.norm1.weight)
                 mine.norm2.weight.copy_(theirs.norm2.weight)

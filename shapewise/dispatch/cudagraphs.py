@@ -23,7 +23,6 @@ on the first two calls at each size.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import threading
 import time
@@ -36,14 +35,15 @@ import torch
 import torch.fx
 
 from shapewise import _compat
-from shapewise._compat import evaluate_at, node_value
+from shapewise._compat import evaluate_at
 from shapewise.concretize import resolve_names
+from shapewise.dispatch.padding import padded_entries
 from shapewise.errors import ConfigError
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
 from shapewise.passes.base import Pass, register_pass
 
-__all__ = ["MODES", "CudaGraphs", "GraphedPiece", "capture_now", "dummy_inputs"]
+__all__ = ["MODES", "CudaGraphs", "GraphedPiece", "capture_now", "dummy_inputs", "graph_memory", "graphed_pieces"]
 
 #: The capture modes: piecewise graphs, one full graph per size, or full up to a size and piecewise above.
 MODES = ("piecewise", "full", "full_and_piecewise")
@@ -367,77 +367,6 @@ def _copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
     return run_and_copy
 
 
-def _varying_dims(metas: Sequence[Any], symbol: sympy.Symbol, what: str) -> list[tuple[int, ...] | None]:
-    """Per input/output: the dims whose size is exactly ``symbol``; refuses other uses of it."""
-    out: list[tuple[int, ...] | None] = []
-    for i, meta in enumerate(metas):
-        if isinstance(meta, TensorMeta):
-            dims = tuple(d for d, e in enumerate(meta.shape) if e == symbol)
-            others = [e for e in meta.shape if e != symbol and symbol in getattr(e, "free_symbols", ())]
-            if others:
-                raise ConfigError(f"pad=True: {what} {i} has a size {others[0]} derived from the dynamic size; "
-                                  "padding only works when every varying dim is the size itself")
-            out.append(dims)
-        else:
-            out.append(None)
-    return out
-
-
-def pad_runner(run: Callable[..., Any], n: int, m: int, in_dims: Sequence[tuple[int, ...] | None],
-               int_args: Sequence[int], out_dims: Sequence[tuple[int, ...] | None]) -> Callable[..., Any]:
-    """Run size ``n`` through the runner of size ``m >= n``: pad inputs with zeros, slice outputs."""
-
-    def padded(*args: Any) -> Any:
-        args = list(args)
-        for i in int_args:
-            args[i] = m
-        for i, dims in enumerate(in_dims):
-            if dims:
-                t = args[i]
-                big = t.new_zeros([m if d in dims else s for d, s in enumerate(t.shape)])
-                view = big
-                for d in dims:
-                    view = view.narrow(d, 0, n)
-                view.copy_(t)
-                args[i] = big
-        outs = run(*args)
-        flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        for j, dims in enumerate(out_dims):
-            if dims and isinstance(flat[j], torch.Tensor):
-                for d in dims:
-                    flat[j] = flat[j].narrow(d, 0, n)
-        return type(outs)(flat) if isinstance(outs, (tuple, list)) else flat[0]
-
-    return padded
-
-
-def padded_entries(program: Program, captured: Mapping[tuple, Callable[..., Any]]) -> dict[tuple, Callable[..., Any]]:
-    """Exact dispatch entries for every size up to the largest captured one, padded up."""
-    shapes = program.shapes
-    if len(shapes.symbols) != 1:
-        raise ConfigError("pad=True needs exactly one dynamic size")
-    (sym,) = shapes.symbols
-    in_dims = _varying_dims(shapes.inputs, sym, "input")
-    int_args = [i for i, meta in enumerate(shapes.inputs) if isinstance(meta, sympy.Basic) and meta == sym]
-    out_node = next(n for n in program.graph.graph.nodes if n.op == "output")
-    outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
-    out_metas = []
-    for o in outs:
-        v = node_value(o) if isinstance(o, torch.fx.Node) else None
-        out_metas.append(TensorMeta(tuple(sympy.sympify(d.node.expr if isinstance(d, torch.SymInt) else d)
-                                          for d in v.shape), (), 0, v.dtype, v.device)
-                         if isinstance(v, torch.Tensor) else None)
-    out_dims = _varying_dims(out_metas, sym, "output")
-    sizes = sorted(k[0] for k in captured)
-    entries: dict[tuple, Callable[..., Any]] = {}
-    for n in range(1, sizes[-1] + 1):
-        if (n,) in captured:
-            continue
-        m = sizes[bisect.bisect_left(sizes, n)]
-        entries[(n,)] = pad_runner(captured[(m,)], n, m, in_dims, int_args, out_dims)
-    return entries
-
-
 def graphed_pieces(program: Program) -> list[GraphedPiece]:
     """Every GraphedPiece reachable from the program's dispatch table (for tests and reports)."""
     out = []
@@ -499,18 +428,18 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
     torch.cuda.synchronize()
     info = {"sizes": [program.dispatch.describe_key(k) for k in sorted(keys)],
             "seconds": round(time.perf_counter() - start, 3), **graph_memory(program)}
-    log.info("shapewise: captured %d CUDA graph size(s) at start-up in %.1f s; graph pool %.0f MiB, static input "
-             "buffers %.0f MiB", len(keys), info["seconds"], info["pool_mib"], info["buffers_mib"])
+    log.info("shapewise: captured %d CUDA graph size(s) at start-up in %.1f s; graph pool %.1f MiB, static input "
+             "buffers %.1f MiB", len(keys), info["seconds"], info["pool_bytes"] / 2**20, info["buffers_bytes"] / 2**20)
     return info
 
 
 def graph_memory(program: Program) -> dict[str, float]:
-    """The device memory a program's CUDA graphs hold: their shared pool (the segments the caching
-    allocator keeps for it) and the static input buffers, in MiB."""
+    """The device memory a program's CUDA graphs hold, in bytes: their shared pool (the segments
+    the caching allocator keeps for it) and the static input buffers."""
     pieces = graphed_pieces(program)
     pools = {tuple(p.pool.handle) for p in pieces if p.pool.handle is not None}
     pool_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                      if tuple(seg.get("segment_pool_id", ())) in pools)
     buffers = {id(b): b for p in pieces for b in p.buffers if b is not None and b.storage is not None}
     buffer_bytes = sum(b.storage.numel() * b.storage.element_size() for b in buffers.values())
-    return {"pool_mib": round(pool_bytes / 2**20, 1), "buffers_mib": round(buffer_bytes / 2**20, 1)}
+    return {"pool_bytes": pool_bytes, "buffers_bytes": buffer_bytes}

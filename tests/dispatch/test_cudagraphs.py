@@ -7,7 +7,7 @@ import torch
 
 import shapewise as sw
 from shapewise.dispatch.cudagraphs import CudaGraphs, graphed_pieces
-from shapewise.models import ATTENTION_OP, ToyTransformer
+from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, ToyTransformer
 from tests.helpers import assert_same, column_major_after, dynamo_graph
 
 
@@ -152,7 +152,7 @@ def test_an_input_the_graph_writes_is_written_once_per_call_and_reaches_the_call
 
 
 def test_pad_runner_pads_inputs_and_slices_outputs():
-    from shapewise.dispatch.cudagraphs import pad_runner
+    from shapewise.dispatch.padding import pad_runner
 
     seen = []
 
@@ -218,8 +218,24 @@ def test_full_and_piecewise_at_startup_captures_every_size_on_the_first_call(bac
             assert all(p.graph is not None for p in pieces)  # all captured before the first answer
     runnable = graphed.runnable
     assert runnable.capture_info["sizes"] == ["{n=1}", "{n=2}", "{n=8}", "{n=32}"]
-    assert runnable.capture_info["pool_mib"] > 0 and runnable.capture_info["buffers_mib"] > 0
+    assert runnable.capture_info["pool_bytes"] > 0 and runnable.capture_info["buffers_bytes"] > 0
     whole = {p.key for p in pieces if p.name == "forward"}
     assert whole == {(1,), (2,)}  # full graphs up to full_up_to, piecewise above
     assert {p.key for p in pieces if p.name != "forward"} == {(8,), (32,)}
     assert all(p.fallbacks == 0 for p in pieces)
+
+
+@pytest.mark.gpu
+def test_an_attention_that_writes_its_output_costs_no_copy_between_graphs():
+    """vLLM's attention-with-output form: the graph before the op allocates the output, the op
+    fills it, the graph after reads it where it is; only the caller's input is copied per call."""
+    torch.manual_seed(0)
+    model = ToyTransformer(layers=2, dim=64, heads=4, hidden=128, vocab=128, out_variant=True).cuda()
+    graphed = sw.compile(model, sizes=[4], splitting_ops=[ATTENTION_OUT_OP], backend="inductor", cudagraphs=True)
+    with torch.no_grad():
+        for _ in range(3):
+            ids = torch.randint(0, 128, (4,), device="cuda")
+            assert_same(graphed(ids), model(ids))
+    pieces = graphed_pieces(graphed.program)
+    assert len(pieces) == 3 and all(p.graph is not None for p in pieces)
+    assert sum(len(p.copy_slots) for p in pieces) == 1  # the ids, into the first graph
