@@ -51,7 +51,9 @@ attention.register_autograd(_attention_backward, setup_context=_attention_setup)
 @torch.library.custom_op(ATTENTION_OUT_OP, mutates_args=("out",))
 def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
     """Like ``attention`` but writes into ``out`` (the vLLM style of attention op)."""
-    out.copy_(attention(q, k, v))
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=True)[0]
+    out.copy_(o.transpose(0, 1))
 
 
 @attention_out.register_fake
@@ -171,7 +173,10 @@ class TPLlama(nn.Module):
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
 
-        return funcol.all_gather_tensor(x, gather_dim=x.dim() - 1, group=dist.group.WORLD)
+        # Gathered along dim 0 ([world * T, V / world]) and put side by side here: torch 2.11's
+        # gather along another dim calls a helper Dynamo refuses to trace (_maybe_view_chunk_cat).
+        rows = funcol.all_gather_tensor(x, gather_dim=0, group=dist.group.WORLD)
+        return torch.cat(torch.chunk(rows, self.world, dim=0), dim=-1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
