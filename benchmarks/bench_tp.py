@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import math
 import os
@@ -475,11 +476,12 @@ def hardware(args: argparse.Namespace) -> dict[str, Any]:
     from shapewise.version import __version__
 
     info["shapewise"] = __version__
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        info["git_commit"] = None
+    # The source that ran, by content: a checkout copied over an older .git (the device machine's)
+    # would report the wrong commit.
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "shapewise").rglob("*.py")):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    info["source_sha256"] = digest.hexdigest()[:12]
     return info
 
 
@@ -727,7 +729,7 @@ def markdown(results: dict[str, Any]) -> str:
              f"heads, vocab {m['vocab']}, {cfg['dtype']}) on {env.get('gpu') or env['cpu']}",
              "",
              f"torch {env['torch']}, Triton {env.get('triton')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}, "
-             f"shapewise {env.get('shapewise')} ({env.get('git_commit')}), {env['date']}; world sizes "
+             f"shapewise {env.get('shapewise')} (source {env.get('source_sha256')}), {env['date']}; world sizes "
              f"{results['world_sizes']}; shapewise cudagraphs={cfg['sw_mode']!r}, backend {cfg['backend']}. "
              f"{cfg['timing']}." + ("" if results["complete"] else " **Incomplete run** (see results.json)."),
              "", "## Median µs per forward (TP=2: rank 0 / slowest rank)", ""]
