@@ -131,3 +131,26 @@ def test_a_compiled_stack_with_the_pass_and_full_cudagraphs_matches_eager():
             assert_same(fast(x), model(x), f"n={n}")
     passes = {r["key"]: r["passes"] for r in fast.report()}
     assert [k for k, p in passes.items() if p] == ["{n=1}", "{n=2}", "{n=4}", "{n=8}"], passes
+
+
+def test_a_transformers_llama_is_rewritten_at_decode_sizes_and_answers_as_eager():
+    pytest.importorskip("transformers")
+    from tests.models.configs import DECODERS
+
+    torch.manual_seed(0)
+    config, cls = DECODERS["llama"]
+    model = cls(config()).eval()
+    fast = sw.compile(model, dynamic_dims={"input_ids": {1: "seq"}}, sizes={"seq": [1, 4, 8]}, backend="aot_eager",
+                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+    with torch.no_grad():
+        for seq in (1, 4, 8):
+            ids = torch.randint(3, 128, (1, seq))
+            assert_same(fast(input_ids=ids).logits, model(input_ids=ids).logits, f"seq={seq}")
+    gemvs = {}
+    for runnable in fast.runnables:  # seq=1 is traced on its own (transformers branches on it)
+        for piece in runnable.program.compute_pieces:
+            for v in piece.variants:
+                gm = v.gm if v.gm is not None else piece.gm
+                gemvs[v.binding.key or ("fixed",)] = gm.code.count("torch.ops.shapewise.gemv")
+    # q, k, v, o, gate, up, down per layer (2 layers) and the head: 15 at 1 and 4 tokens, none at 8
+    assert sorted(gemvs.values()) == [0, 15, 15], gemvs
