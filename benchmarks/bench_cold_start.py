@@ -40,6 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hardware import cpu_name  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 __all__ = ["main"]
@@ -137,12 +140,7 @@ def _median(samples: list[dict[str, Any]]) -> dict[str, Any]:
 def hardware(device: str) -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "load_average_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}

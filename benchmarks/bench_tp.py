@@ -56,6 +56,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from hardware import cpu_name  # noqa: E402
+
 from shapewise.models import ATTENTION_OP as ATTN  # noqa: E402
 from shapewise.models import TPLlama  # noqa: E402
 
@@ -265,6 +268,16 @@ class Rank:
             row.setdefault("err_vs_tp1_eager", {})[n] = rel_err(y, refs[n])
             row.setdefault("err_vs_eager", {})[n] = rel_err(y, eager_out[n])
 
+        def first_calls(name: str, row: dict[str, Any], call: Callable[[torch.Tensor], torch.Tensor]) -> None:
+            """The first call at every size (compiles, captures), each timed and checked."""
+            for n, x in ids.items():
+                t1 = time.perf_counter()
+                y = call(x)
+                self.sync()
+                row["first_call_s"][n] = time.perf_counter() - t1
+                check(name, row, n, y)
+                del y
+
         # 2. Cold start: shapewise, every size, one cache folder for every rank.
         mode = cudagraphs_option(a)
         name = f"shapewise {a.sw_mode}" + (f"+DecodeGemv({a.decode_gemv})" if a.decode_gemv else "")
@@ -276,13 +289,7 @@ class Rank:
         try:
             fast = sw.compile(part, sizes=a.token_list, splitting_ops=[ATTN], backend=a.backend, cudagraphs=mode,
                               cache=str(self.sw_cache), progress=False, graph_passes=passes)
-            for n, x in ids.items():
-                t1 = time.perf_counter()
-                y = fast(x)
-                self.sync()
-                row["first_call_s"][n] = time.perf_counter() - t1
-                check(name, row, n, y)
-                del y
+            first_calls(name, row, fast)
             ready = time.perf_counter()
             row["compile_s"] = ready - t0
             cold = {"compile_to_ready_s": ready - t0, "launch_to_ready_s": self.since_launch(),
@@ -325,13 +332,7 @@ class Rank:
             self.barrier()
             t0 = time.perf_counter()
             try:
-                for n, x in ids.items():
-                    t1 = time.perf_counter()
-                    y = call(x)
-                    self.sync()
-                    row["first_call_s"][n] = time.perf_counter() - t1
-                    check(name, row, n, y)
-                    del y
+                first_calls(name, row, call)
                 row["compile_s"] = time.perf_counter() - t0
                 if self.cuda:  # Inductor's own count of graphs it chose not to capture (0: all captured)
                     from torch._dynamo.utils import counters
@@ -454,12 +455,7 @@ def worker(args: argparse.Namespace, rank: int, world: int, local_rank: int, pha
 # -- the parent: fresh processes per world size ----------------------------------------------------
 
 def hardware(args: argparse.Namespace) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     info: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "host": socket.gethostname(), "cpu": cpu, "cpu_count": os.cpu_count(), "python": platform.python_version(),
