@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from shapewise import _compat
-from shapewise.concretize import Concretize
+from shapewise.concretize import Concretize, resolve_symbol_names
 from shapewise.dispatch.cudagraphs import CudaGraphs
 from shapewise.dispatch.runnable import Runnable
 from shapewise.errors import ConfigError
@@ -89,7 +89,8 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
     """Dynamo backend: ``torch.compile(model, backend="shapewise", options={"sizes": [1, 8]})``.
 
     Options: sizes, ranges, splitting_ops, backend, options, static_options, range_options,
-    on_compile_error, on_miss, symbol_names ({symbol name or Symbol: dim name}), refused
+    on_compile_error, on_miss, symbol_names ({symbol name or Symbol: dim name}; a name this trace
+    has no symbol of, e.g. a dim it fixed, is left out), refused
     ("skip", the default here: leave out the sizes this trace's guards refuse, with a warning;
     Dynamo traces again when one is called, and a trace with every size fixed, e.g. its first
     one without dynamic=True, compiles as it is; or "error"), fixed ({dim name: size}: dims this
@@ -111,8 +112,23 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
             "them constant. Set torch._dynamo.config.specialize_float = True, or use shapewise.compile(model, ...), "
             "which traces with floats specialised")
     _specialise_layout_symbols(gm)
+    # A name of a dim this trace fixed (its first, static trace; a decode trace's seq=1) names no
+    # symbol here: left out, where a Program's AnalyzeShapes would refuse it.
+    names = resolve_symbol_names(names, _trace_symbols(gm), strict=False)
     program = Program(gm=gm, symbol_names=names, on_miss=on_miss, inputs_guarded_by="dynamo")
     return build_pipeline(**opts).run(program)
+
+
+def _trace_symbols(gm: torch.fx.GraphModule) -> tuple[Any, ...]:
+    """The symbols of the trace's inputs (sizes, SymInts, strides, offsets)."""
+    symbols: dict[Any, None] = {}
+    for n in gm.graph.nodes:
+        v = _compat.node_value(n) if n.op == "placeholder" else None
+        exprs = [*v.shape, *v.stride(), v.storage_offset()] if isinstance(v, torch.Tensor) else \
+            [v] if isinstance(v, torch.SymInt) else []
+        for e in exprs:
+            symbols.update(dict.fromkeys(sorted(_compat.sym_expr(e).free_symbols, key=str)))
+    return tuple(symbols)
 
 
 def _specialise_layout_symbols(gm: torch.fx.GraphModule) -> list[str]:

@@ -12,7 +12,7 @@ from torch import nn
 import shapewise as sw
 from shapewise._compat import dynamo_unique_graphs
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, MLP, ToyTransformer
-from tests.helpers import assert_same
+from tests.helpers import assert_same, dynamo_graph
 
 
 @pytest.mark.parametrize("first", [1, 33])
@@ -181,6 +181,21 @@ class _PerRow(nn.Module):
 
     def forward(self, x):
         return self.lin(x) / x.shape[0]  # wrong at any size but the traced one if the size were baked in
+
+
+def test_backend_symbol_names_by_name_and_a_first_static_trace():
+    # symbol_names={"s77": "n"} (a name, not the Symbol) was ignored: the miss said {s77=5}. The
+    # first trace is static: it has no symbol to name, and is not refused for it.
+    model = _PerRow()
+    (s,) = sw.AnalyzeShapes()(dynamo_graph(model, torch.randn(8, 16))).shapes.symbols
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="shapewise",
+                             options={"sizes": [2, 8], "backend": "eager", "symbol_names": {str(s): "n"}})
+    for n in (8, 2, 8):
+        x = torch.randn(n, 16)
+        assert_same(compiled(x), model(x), f"n={n}")
+    with pytest.raises(sw.DispatchMiss, match=r"size \{n=5\}: compiled sizes: \{n=2\}, \{n=8\}"):
+        compiled(torch.randn(5, 16))
 
 
 def test_general_variant_is_dynamic_for_a_symbol_found_through_args():

@@ -3,7 +3,7 @@
 ``examples`` (example arguments per variant), ``observe`` (the layouts inputs really have),
 ``concretize`` (the Concretize pass)."""
 
-from shapewise.concretize.analyze import AnalyzeShapes, analyze_graph
+from shapewise.concretize.analyze import AnalyzeShapes, analyze_graph, resolve_symbol_names
 from shapewise.concretize.bindings import (
     check_binding,
     check_sizes,
@@ -18,4 +18,4 @@ from shapewise.concretize.observe import observed_inputs, observed_range_inputs
 
 __all__ = ["AnalyzeShapes", "Concretize", "analyze_graph", "attach_variants", "check_binding", "check_sizes",
            "example_args", "make_bindings", "observed_inputs", "observed_range_inputs", "primary_symbols", "refusal",
-           "resolve_names"]
+           "resolve_names", "resolve_symbol_names"]

@@ -13,12 +13,12 @@ import torch
 import torch.fx
 
 from shapewise._compat import node_value, shape_env_of, sym_expr, symbol_hints, trace_guards, value_range
-from shapewise.errors import ShapewiseError
+from shapewise.errors import ConfigError, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo, SymbolSource, TensorMeta
 from shapewise.ir.symbolic import evaluate
 from shapewise.passes.base import Pass, register_pass
 
-__all__ = ["AnalyzeShapes", "analyze_graph", "evaluate"]
+__all__ = ["AnalyzeShapes", "analyze_graph", "evaluate", "resolve_symbol_names"]
 
 
 def _ordered_symbols(exprs) -> list[sympy.Symbol]:
@@ -30,8 +30,29 @@ def _ordered_symbols(exprs) -> list[sympy.Symbol]:
     return list(seen)
 
 
-def analyze_graph(gm: torch.fx.GraphModule, names: Mapping[sympy.Symbol, str] | None = None) -> ShapeInfo:
-    """The ``ShapeInfo`` of a graph, read from its placeholders' fake values."""
+def resolve_symbol_names(names: Mapping[Any, str] | None, symbols: tuple[sympy.Symbol, ...],
+                         strict: bool = True) -> dict[sympy.Symbol, str]:
+    """``{symbol or its name: dim name}`` as ``{symbol: dim name}`` over ``symbols``:
+    ``{"s77": "n"}`` -> ``{s77: "n"}``. A name that is no symbol of ``symbols`` raises a
+    ``ConfigError`` listing them, or is left out when not ``strict`` (a Dynamo trace that fixed
+    that dim). Symbol keys are kept as they are."""
+    by_name = {str(s): s for s in symbols}
+    out: dict[sympy.Symbol, str] = {}
+    for key, name in (names or {}).items():
+        if not isinstance(key, str):
+            out[key] = name
+        elif key in by_name:
+            out[by_name[key]] = name
+        elif strict:
+            known = ", ".join(map(str, symbols)) or "none: every size is static"
+            raise ConfigError(f"symbol_names names {key!r} (as {name!r}), which is not a symbol of the graph; "
+                              f"its symbols: {known}")
+    return out
+
+
+def analyze_graph(gm: torch.fx.GraphModule, names: Mapping[Any, str] | None = None) -> ShapeInfo:
+    """The ``ShapeInfo`` of a graph, read from its placeholders' fake values. ``names``:
+    ``{symbol or its name: dim name}`` (a name that is no symbol of the graph raises ConfigError)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [node_value(n) for n in placeholders]
     inputs: list[Any] = []
@@ -76,7 +97,7 @@ def analyze_graph(gm: torch.fx.GraphModule, names: Mapping[sympy.Symbol, str] | 
         guards=guards,
         ranges={s: value_range(env, s) for s in symbols},
         hints={s: hints[s] for s in symbols if s in hints},
-        names=dict(names or {}),
+        names=resolve_symbol_names(names, symbols),
     )
 
 
@@ -88,8 +109,8 @@ class AnalyzeShapes(Pass):
     name: ClassVar[str] = "analyze_shapes"
 
     def apply(self, program: Program) -> Program:
-        names = program.symbol_names
-        top = analyze_graph(program.gm, names)
+        top = analyze_graph(program.gm, program.symbol_names)
+        names = top.names  # keyed by symbol: a piece has only some of the graph's symbols
         missing = [s for s in top.symbols if s not in top.sources]
         if missing:
             raise ShapewiseError(

@@ -39,6 +39,7 @@ from shapewise._compat import evaluate_at
 from shapewise.concretize import resolve_names
 from shapewise.dispatch.padding import padded_entries
 from shapewise.errors import ConfigError
+from shapewise.ir.effects import mutated_inputs
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
 from shapewise.passes.base import Pass, register_pass
@@ -151,33 +152,41 @@ class GraphedPiece:
         with self.pool.lock:
             live = self.pool.static_ptrs.setdefault(self.key, set())
             static_args = list(args)
+            fixed, copies, write_back = [], [], []  # committed only once the graph exists
             for i, a in enumerate(args):
                 if not isinstance(a, torch.Tensor):
                     continue
                 # Parameters, outputs of an earlier graph, and tensors marked as living at one
                 # address (a static KV cache, which the graph also writes) are used in place.
-                if isinstance(a, torch.nn.Parameter) or a.data_ptr() in live or _compat.has_static_address(a):
-                    self.fixed_slots.append((i, a.data_ptr()))
+                if is_fixed(a) or a.data_ptr() in live:
+                    fixed.append((i, a.data_ptr()))
                     continue
                 buf = self.buffers[i]
                 view = buf.view(self.key) if buf is not None else torch.empty_like(a)
                 view.copy_(a)
                 static_args[i] = view
-                self.copy_slots.append((i, view))
+                copies.append((i, view))
                 if i in self.mutated:  # the graph writes the static copy: write it back to the caller's
-                    self.write_back.append((i, view))
+                    write_back.append((i, view))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool.get()):
                 outputs = self.fn(*static_args)
             for t in _tensors(outputs):
                 live.add(t.data_ptr())
+            self.fixed_slots, self.copy_slots, self.write_back = fixed, copies, write_back
             self.outputs = outputs
             self.graph = graph
         graph.replay()
         for i, static in self.write_back:
             args[i].copy_(static)
         return outputs
+
+
+def is_fixed(t: torch.Tensor) -> bool:
+    """A tensor graphs use at its own address: a parameter, or one marked as living at one address
+    (``torch._dynamo.mark_static_address``: a static KV cache)."""
+    return isinstance(t, torch.nn.Parameter) or _compat.has_static_address(t)
 
 
 def _tensors(tree: Any):
@@ -352,7 +361,7 @@ class CudaGraphs(Pass):
             overrides.update(padded_entries(program, overrides))
         table = program.dispatch.with_exact(overrides)
         return program.replace(dispatch=table, cudagraph_keys=tuple(k for k, _ in keys),
-                               capture_at_startup=self.capture == "startup")
+                               capture_at_startup=self.capture == "startup" and bool(keys))
 
     def is_full(self, key: tuple) -> bool:
         """Whether the size ``key`` gets one graph around the whole forward."""
@@ -382,23 +391,31 @@ def graphed_pieces(program: Program) -> list[GraphedPiece]:
 
 
 
-def dummy_inputs(program: Program, key: tuple, example_inputs: Sequence[Any]) -> list[Any]:
+def dummy_inputs(program: Program, key: tuple, example_inputs: Sequence[Any],
+                 written: frozenset[int] = frozenset()) -> list[Any]:
     """The graph's inputs at the size ``key``, for capturing it before any real call: inputs
-    whose layout depends on a dynamic size become zeros at that size's layout; the rest
-    (parameters, buffers, a static KV cache, fixed-size inputs) are the example inputs themselves,
-    as the real calls will pass them."""
+    whose layout depends on a dynamic size become zeros at that size's layout; inputs the graph
+    writes (``written``: positions) that graphs copy in become copies, so the caller's tensors are
+    not written; the rest (parameters, buffers, a static KV cache, fixed-size inputs) are the
+    example inputs themselves, as the real calls will pass them (``capture_now`` restores the
+    ones of those the graph writes)."""
     shapes = program.shapes
     values = dict(zip(shapes.symbols, key))
     out = []
-    for meta, example in zip(shapes.inputs, example_inputs):
+    for i, (meta, example) in enumerate(zip(shapes.inputs, example_inputs)):
         if isinstance(meta, sympy.Basic):
             out.append(int(meta.subs(values)))
-        elif isinstance(meta, TensorMeta) and isinstance(example, torch.Tensor) and not _compat.has_static_address(
-                example) and any(getattr(e, "free_symbols", None) for e in (*meta.shape, *meta.stride, meta.offset)):
+        elif not isinstance(example, torch.Tensor) or is_fixed(example):
+            out.append(example)
+        elif isinstance(meta, TensorMeta) and any(getattr(e, "free_symbols", None)
+                                                  for e in (*meta.shape, *meta.stride, meta.offset)):
             shape, stride, offset = meta.at(values)
             length = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 1
             storage = torch.zeros(length, dtype=meta.dtype, device=example.device)
             out.append(storage.as_strided(shape, stride, offset))
+        elif i in written:
+            out.append(torch.empty_strided(example.shape, example.stride(), dtype=example.dtype,
+                                           device=example.device).copy_(example))
         else:
             out.append(example)
     return out
@@ -408,23 +425,34 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
     """Capture every size of a program that ``CudaGraphs`` made, now, on dummy inputs
     (``dummy_inputs``), largest first: each size runs once (its warm-up) and is captured.
 
-    Tensors the graphs write in place (a static KV cache) receive the dummy calls' writes, as in
-    vLLM's start-up capture: capture before the cache holds anything. Returns (and logs) the sizes
-    captured, the seconds it took and the device memory it reserved (the graph pool and the static
-    input buffers)."""
+    Inputs the graph writes in place are left as they were: those graphs copy in get copies as
+    dummies, and those used at their own address (a static KV cache, parameters) are restored
+    from a snapshot afterwards (so a cache written since start-up keeps its contents; the snapshot
+    costs one copy of each such tensor while capturing). Returns (and logs) the sizes captured,
+    the seconds it took and the bytes the graphs hold (``graph_memory``)."""
     from tqdm import tqdm
 
     keys = list(program.cudagraph_keys)
     if not keys:
-        raise ConfigError("capture_now: the program has no CUDA-graph sizes; run CudaGraphs first")
+        raise ConfigError("capture_now: the program has no CUDA-graph sizes (CudaGraphs found no compiled single "
+                          "size to capture; give capture_sizes)")
     start = time.perf_counter()
     show = progress if progress is not None else logging.getLogger("shapewise").isEnabledFor(logging.INFO)
-    for key in tqdm(sorted(keys, reverse=True), desc="shapewise capture", unit="size", disable=not show,
-                    leave=False):
-        args = dummy_inputs(program, key, example_inputs)
-        run = program.dispatch.exact[key]
-        run(*args)  # warm-up
-        run(*args)  # capture
+    written = mutated_inputs(program.gm)
+    kept = [t for i, t in enumerate(example_inputs) if i in written and isinstance(t, torch.Tensor) and is_fixed(t)]
+    with torch.no_grad():
+        snapshots = [t.clone() for t in kept]
+    try:
+        for key in tqdm(sorted(keys, reverse=True), desc="shapewise capture", unit="size", disable=not show,
+                        leave=False):
+            args = dummy_inputs(program, key, example_inputs, written)
+            run = program.dispatch.exact[key]
+            run(*args)  # warm-up
+            run(*args)  # capture
+    finally:
+        with torch.no_grad():
+            for t, snapshot in zip(kept, snapshots):
+                t.copy_(snapshot)  # undo the dummy calls' writes to a static KV cache (or parameters)
     torch.cuda.synchronize()
     info = {"sizes": [program.dispatch.describe_key(k) for k in sorted(keys)],
             "seconds": round(time.perf_counter() - start, 3), **graph_memory(program)}

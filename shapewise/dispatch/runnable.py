@@ -339,6 +339,7 @@ class Runnable:
         self._resolve = table.resolve
         #: What start-up capture did (``capture()``): sizes, seconds, memory; None until then.
         self.capture_info: dict[str, Any] | None = None
+        self._capture_lock = threading.Lock()
         if program.capture_at_startup:
             self._exact = {}  # every call misses until the first one has captured every size
 
@@ -347,10 +348,24 @@ class Runnable:
         fn = self._exact.get(key)
         if fn is None:
             if self.program.capture_at_startup and self.capture_info is None:
-                self.capture(*args)
+                self._capture_first(args)
                 return self(*args)
             fn = self._resolve(key)
         return fn(*args)
+
+    def _capture_first(self, args: tuple) -> None:
+        """Start-up capture on the first call (one thread captures; the others wait). If it fails,
+        the sizes not captured yet are captured on their own calls instead, as without it."""
+        with self._capture_lock:
+            if self.capture_info is not None:
+                return
+            try:
+                self.capture(*args)
+            except Exception as e:  # noqa: BLE001 - reported, and the calls go on without it
+                self._exact = self.table.exact
+                self.capture_info = {"error": f"{type(e).__name__}: {e}"}
+                log.warning("shapewise: start-up CUDA-graph capture failed (%s); each size is captured on its own "
+                            "calls instead", self.capture_info["error"])
 
     def capture(self, *example_inputs: Any, progress: bool | None = None) -> dict[str, Any]:
         """Capture every CUDA-graph size now, on dummy inputs shaped from ``example_inputs`` (the

@@ -219,9 +219,10 @@ class Program:
     submodules in order); ``pieces``; ``shapes``: the whole graph's ``ShapeInfo``;
     ``bindings``: the variants to build; ``dispatch``: the table, once built.
 
-    Set by the caller: ``symbol_names`` ({symbol or its name: dim name}, read by AnalyzeShapes),
-    ``on_miss`` (overrides BuildDispatch's), ``inputs_guarded_by`` ("dynamo" when Dynamo's guards
-    check the inputs, so the dispatch adds none). Set by the stages: ``split_plan`` and
+    Set by the caller: ``symbol_names`` ({symbol or its name: dim name}, read by AnalyzeShapes; a
+    name that is no symbol of the graph is a ConfigError), ``on_miss`` (overrides BuildDispatch's),
+    ``inputs_guarded_by`` ("dynamo" when Dynamo's guards check the inputs, so the dispatch adds
+    none). Set by the stages: ``split_plan`` and
     ``splitting_ops`` (Split), ``cudagraph_keys`` and ``capture_at_startup`` (CudaGraphs: the sizes
     captured, and whether the Runnable captures them all on its first call), ``lowering`` (the
     Lower pass, a frozen spec, whose variants these are: the dispatch compiles lazy and background

@@ -16,6 +16,8 @@ trace it, and its backward is the usual one, so it trains.
 Tuning: the first call per (rows, N, K, dtype, bias, device) times each of ``gemv_configs``
 with ``triton.testing.do_bench`` and keeps the fastest (outside CUDA graph capture; inside one
 it takes the first config that fits, untimed). ``SHAPEWISE_GEMV_TUNE=0`` turns the timing off.
+A split-K config sums its K slices with float32 atomics, whose order varies: the last bits of
+the result can differ from run to run (bf16 rounding of a float32 sum, well inside tolerance).
 """
 
 from __future__ import annotations
@@ -164,7 +166,10 @@ def gemv_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None)
         return cfg
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     configs = gemv_configs(w.shape[0], w.shape[1], sms)
-    if torch.cuda.is_current_stream_capturing() or os.environ.get("SHAPEWISE_GEMV_TUNE", "1") == "0":
+    if os.environ.get("SHAPEWISE_GEMV_TUNE", "1") == "0":
+        _TUNED[key] = configs[0]  # untimed, by request
+        return configs[0]
+    if torch.cuda.is_current_stream_capturing():
         return configs[0]  # no timing inside a capture: untimed, and not remembered
     with _TUNE_LOCK:
         if key not in _TUNED:
@@ -198,11 +203,19 @@ def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: lis
     return best
 
 
+_MAX_OFFSET = 2**31 - 1  # the kernel's pointer offsets are 32-bit
+
+
 def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    return (x.is_cuda and x.dtype in _FAST_DTYPES and weight.dtype == x.dtype and weight.dim() == 2
-            and weight.is_cuda and weight.stride(1) == 1 and 1 <= rows <= MAX_ROWS and weight.shape[1] >= 16
-            and (bias is None or (bias.dim() == 1 and bias.dtype == x.dtype and bias.is_contiguous()))
+    """Whether the kernel takes these arguments; anything else (wrong shapes included: F.linear
+    raises its own error for them) goes to ``F.linear``."""
+    if not (x.is_cuda and x.dim() and weight.dim() == 2 and x.shape[-1] == weight.shape[1] >= 16):
+        return False
+    rows, (n, k) = x.numel() // x.shape[-1], weight.shape
+    return (x.dtype in _FAST_DTYPES and weight.dtype == x.dtype and weight.device == x.device
+            and weight.stride(1) == 1 and 1 <= rows <= MAX_ROWS and (n - 1) * weight.stride(0) + k <= _MAX_OFFSET
+            and (bias is None or (bias.shape == (n,) and bias.dtype == x.dtype and bias.device == x.device
+                                  and bias.is_contiguous()))
             and triton_gemv_available())
 
 
@@ -211,14 +224,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     """``F.linear(x, weight, bias)``, through the Triton kernel where it runs (module docstring)."""
     if _fast_path(x, weight, bias):
         x2 = x.reshape(-1, x.shape[-1])
-        cfg = gemv_config(x2, weight, bias)
-        if cfg is not None:
-            return _launch(x2, weight, bias, cfg).reshape(*x.shape[:-1], weight.shape[0])
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            cfg = gemv_config(x2, weight, bias)
+            if cfg is not None:
+                return _launch(x2, weight, bias, cfg).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
 @gemv.register_fake
 def _(x, weight, bias=None):
+    torch._check(weight.dim() == 2, lambda: f"shapewise::gemv: weight must be 2-D [N, K], got {tuple(weight.shape)}")
+    torch._check(x.shape[-1] == weight.shape[1],
+                 lambda: f"shapewise::gemv: x's last dim {x.shape[-1]} != weight's K {weight.shape[1]}")
+    if bias is not None:
+        torch._check(bias.dim() == 1 and bias.shape[0] == weight.shape[0],
+                     lambda: f"shapewise::gemv: bias must be [N] = [{weight.shape[0]}], got {tuple(bias.shape)}")
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -186,7 +186,7 @@ class CompileSession:
         self.cache = resolve_cache(lower.cache) if cacheable else None
         self.results: dict[tuple[str, Binding], Variant] = {}
         self.counts: dict[str, int] = dict.fromkeys(SOURCES, 0)
-        self._memo: dict[str, Callable[..., Any]] = {}
+        self._memo: dict[str, tuple[Callable[..., Any], int | None]] = {}  # key -> (artifact, its rank)
         self._graph_keys: dict[int, Any] = {}
         self._key_locks: dict[str, threading.Lock] = {}
         self._lock = threading.RLock()
@@ -271,9 +271,9 @@ class CompileSession:
                 # Dynamo's lock first (compiles patch process-wide state: one at a time, and
                 # never during a Dynamo trace), then this key's (one compile per key).
                 with _compat.compile_lock(), self._key_lock(key):
-                    fn = self._memo.get(key) if lower.dedupe else None
-                    if fn is not None:
-                        source = "reused"
+                    memo = self._memo.get(key) if lower.dedupe else None
+                    if memo is not None:
+                        (fn, compiled_by), source = memo, "reused"
                     elif disk:
                         info = {"piece": piece.name, "binding": variant.binding.describe(names),
                                 "backend": self.backend_id, "rank": self.rank}
@@ -283,7 +283,7 @@ class CompileSession:
                     else:
                         fn = compile_it()
                     if lower.dedupe:
-                        self._memo[key] = fn
+                        self._memo[key] = (fn, compiled_by)
         except Exception as e:  # noqa: BLE001 - reported with context below
             hint = ""
             if "DataDependent" in type(e).__name__ or "DataDependent" in str(e):
@@ -311,8 +311,8 @@ class CompileSession:
             "lean": lean is not None,
             "passes": ", ".join(variant.pass_labels),
         }
-        if self.world > 1:  # which rank compiled it (None: another process, or not recorded)
-            report["rank"] = compiled_by if source in ("compiled", "cache") else self.rank
+        if self.world > 1:  # which rank compiled the artifact (None: not recorded); a fallback runs here
+            report["rank"] = self.rank if source == "fallback" else compiled_by
         if error:
             report["error"] = error
         out = dataclasses.replace(variant, compiled=fn, report=report)

@@ -3,8 +3,9 @@
     fast = sw.compile(model, sizes=[1, 2, 4, 8, 64], graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
 
 Per (piece, static variant), every ``F.linear(x, W, b)``, ``x @ W.t()``, ``torch.mm(x, W.t())``
-and ``torch.addmm(b, x, W.t())`` whose weight is a 2-D ``[N, K]`` tensor and whose rows (all of
-``x``'s dims but the last, at the variant's sizes) number at most ``max_tokens`` becomes a call
+and ``torch.addmm(b, x, W.t())`` whose second operand is a 2-D ``[N, K]`` tensor (a weight, or
+any other 2-D tensor: ``q @ k.t()`` is the same product and is rewritten too) and whose rows
+(all of ``x``'s dims but the last, at the variant's sizes) number at most ``max_tokens`` becomes a call
 of the ``shapewise::gemv`` custom op (``shapewise.kernels.gemv``): a Triton kernel tuned per
 size on the GPU, ``F.linear`` elsewhere. Range variants and larger sizes keep cuBLAS.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -76,9 +78,35 @@ def _match(node: torch.fx.Node) -> tuple[Any, Any, Any, torch.fx.Node | None] | 
     if node.target is torch.addmm and len(node.args) == 3 and not node.kwargs:
         weight = _transposed_weight(node.args[2])
         bias = node_value(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None
-        if weight is not None and isinstance(bias, torch.Tensor) and bias.dim() == 1:
+        wv = node_value(weight) if weight is not None else None
+        if (weight is not None and isinstance(bias, torch.Tensor) and isinstance(wv, torch.Tensor)
+                and tuple(bias.shape) == (wv.shape[0],)):  # a broadcast bias ([1], a scalar) stays addmm
             return node.args[1], weight, node.args[0], node.args[2]
     return None
+
+
+def _device_name(d: Any) -> str:
+    name = d.type if isinstance(d, torch.device) else str(d).split(":")[0]
+    if name not in ("cuda", "cpu", "xpu", "mps", "meta"):
+        raise ValueError(name)
+    return name
+
+
+def _dtype_name(d: Any) -> str:
+    name = str(d).removeprefix("torch.")
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(name)
+    return name
+
+
+def _names(values: Any, what: str, name_of: Callable[[Any], str]) -> tuple[str, ...]:
+    """``devices``/``dtypes`` as names: one or several, as strings or torch objects."""
+    items = (values,) if isinstance(values, (str, torch.device, torch.dtype)) else tuple(values)
+    try:
+        return tuple(name_of(v) for v in items)
+    except ValueError as e:
+        raise ConfigError(f"DecodeGemv({what}={values!r}): {e.args[0]!r} is not a {what[:-1]}; give names like "
+                          f"{'cuda or cpu' if what == 'devices' else 'bfloat16 or float16'} (or torch objects)") from e
 
 
 @dataclass(frozen=True)
@@ -92,11 +120,12 @@ class DecodeGemv(GraphPass):
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_tokens <= MAX_ROWS:
-            raise ConfigError(f"DecodeGemv(max_tokens={self.max_tokens}): the kernel takes 1 to {MAX_ROWS} rows; "
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not (
+                1 <= self.max_tokens <= MAX_ROWS):
+            raise ConfigError(f"DecodeGemv(max_tokens={self.max_tokens!r}): the kernel takes 1 to {MAX_ROWS} rows; "
                               f"give max_tokens between 1 and {MAX_ROWS}")
-        object.__setattr__(self, "devices", tuple(self.devices))
-        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        object.__setattr__(self, "devices", _names(self.devices, "devices", _device_name))
+        object.__setattr__(self, "dtypes", _names(self.dtypes, "dtypes", _dtype_name))
 
     def applies(self, sizes: Sizes) -> bool:
         return all(isinstance(v, int) for v in sizes.values())
@@ -110,7 +139,7 @@ class DecodeGemv(GraphPass):
             if found is None:
                 continue
             x, weight, bias, transpose = found
-            if not self._fits(x, weight, sizes):
+            if not self._fits(node, x, weight, sizes):
                 continue
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(op, (x, weight, bias))
@@ -122,15 +151,16 @@ class DecodeGemv(GraphPass):
         gm.recompile()
         return gm
 
-    def _fits(self, x: Any, weight: Any, sizes: VariantSizes) -> bool:
+    def _fits(self, node: torch.fx.Node, x: Any, weight: Any, sizes: VariantSizes) -> bool:
         xv = node_value(x) if isinstance(x, torch.fx.Node) else None
         wv = node_value(weight) if isinstance(weight, torch.fx.Node) else None
         if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or wv.dim() != 2 or xv.dim() < 1:
             return False
         if xv.device.type not in self.devices or str(xv.dtype).removeprefix("torch.") not in self.dtypes:
             return False
-        if wv.dtype != xv.dtype:
-            return False
+        out = node_value(node)
+        if wv.dtype != xv.dtype or not isinstance(out, torch.Tensor) or out.dtype != xv.dtype:
+            return False  # e.g. under autocast, where the matmul's output dtype is autocast's, not x's
         shape = sizes.shape(x)
         if shape is None or any(d is None for d in shape) or shape[-1] != sizes.evaluate(wv.shape[1]):
             return False

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import pytest
 import sympy
 import torch
@@ -9,6 +12,7 @@ import torch
 import shapewise as sw
 from shapewise.concretize import make_bindings
 from shapewise.ir.program import SymbolSource, TensorMeta
+from shapewise.models import MLP
 from tests.helpers import column_major_after, dynamo_graph, symbolic_graph
 
 
@@ -224,3 +228,36 @@ def test_sizes_and_ranges_are_parsed_once_into_three_forms():
         parse_ranges((9, 64))
     with pytest.raises(sw.ConfigError, match="not a dynamic dim.*did you mean 'seq'"):
         parse_sizes({"sq": [1]}, names={"seq", "batch"})
+
+
+@pytest.mark.parametrize("by_name", [True, False])
+def test_symbol_names_are_keyed_by_a_symbol_or_by_its_name(by_name):
+    # Program.symbol_names takes {symbol or its name: dim name}; a name (a str) was kept as it
+    # was, so every reader (looking up by Symbol) missed it: the dispatch showed {s77=2} and a
+    # graph pass saw {'s77': 2}.
+    gm = dynamo_graph(MLP(), torch.randn(4, 32))
+    (s,) = sw.AnalyzeShapes()(gm).shapes.symbols
+    seen = []
+
+    @dataclass(frozen=True)
+    class Spy(sw.GraphPass):
+        name: ClassVar[str] = "spy"
+
+        def applies(self, sizes):
+            seen.append(dict(sizes))
+            return False
+
+    program = sw.Program(gm=gm, symbol_names={str(s) if by_name else s: "n"})
+    runnable = sw.Pipeline([sw.Split(), sw.Concretize(sizes=[{"n": 2}]), sw.Rewrite(passes=[Spy()]),
+                            sw.Lower(backend="eager")]).run(program)
+    assert runnable.program.shapes.names == {s: "n"}
+    assert all(p.shapes.names == {s: "n"} for p in runnable.program.pieces if s in p.shapes.symbols)
+    assert [r["key"] for r in runnable.report()] == ["{n=2}"]
+    assert seen == [{"n": 2}]
+
+
+def test_symbol_names_that_name_no_symbol_of_the_graph_are_refused():
+    gm = dynamo_graph(MLP(), torch.randn(4, 32))
+    (s,) = sw.AnalyzeShapes()(gm).shapes.symbols
+    with pytest.raises(sw.ConfigError, match=rf"names 's999999' \(as 'n'\).*its symbols: {s}\n"):
+        sw.AnalyzeShapes()(sw.Program(gm=gm, symbol_names={"s999999": "n"}))

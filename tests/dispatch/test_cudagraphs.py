@@ -239,3 +239,45 @@ def test_an_attention_that_writes_its_output_costs_no_copy_between_graphs():
     pieces = graphed_pieces(graphed.program)
     assert len(pieces) == 3 and all(p.graph is not None for p in pieces)
     assert sum(len(p.copy_slots) for p in pieces) == 1  # the ids, into the first graph
+
+
+def _accumulate_static(x, total, cache):
+    total.add_(x.sum(0))  # an input the graph writes, copied into graphs
+    cache.add_(1)  # a static-address input the graph writes (a KV cache's stand-in)
+    return x * 2
+
+
+def test_dummy_inputs_never_hand_the_graph_a_tensor_of_the_callers_to_write():
+    from shapewise.dispatch.cudagraphs import dummy_inputs
+    from shapewise.ir.effects import mutated_inputs
+
+    cache = torch.zeros(3)
+    torch._dynamo.mark_static_address(cache)
+    gm = dynamo_graph(_accumulate_static, torch.randn(4, 3), torch.zeros(3), cache)
+    program = sw.Pipeline([sw.Concretize(sizes=[2]), sw.Lower(backend="eager"), sw.BuildDispatch()]).run(gm).program
+    total = torch.full((3,), 7.0)
+    by_name = {"L_x_": torch.randn(4, 3), "L_total_": total, "L_cache_": cache}
+    example = [by_name.get(str(n.target), 4) for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo's order
+    written = mutated_inputs(program.gm)
+    args = dummy_inputs(program, (2,), example, written)
+    by_position = dict(zip(range(len(args)), args))
+    (i_total,) = [i for i, e in enumerate(example) if e is total]
+    (i_cache,) = [i for i, e in enumerate(example) if e is cache]
+    assert {i_total, i_cache} <= written
+    assert by_position[i_total] is not total and torch.equal(by_position[i_total], total)  # a copy
+    assert by_position[i_cache] is cache  # used where it lives (capture_now restores it afterwards)
+
+
+def test_a_failed_startup_capture_is_reported_and_the_calls_go_on(caplog):
+    gm = dynamo_graph(lambda x: x * 2, torch.randn(4, 3))
+    runnable = sw.Pipeline([sw.Concretize(sizes=[2, 4]), sw.Lower(backend="eager"), sw.BuildDispatch()]).run(gm)
+    program = runnable.program.replace(cudagraph_keys=((2,), (4,)), capture_at_startup=True)
+    if torch.cuda.is_available():
+        pytest.skip("the failure this test provokes is the missing GPU")
+    broken = type(runnable)(program)  # capture_now fails here: no CUDA to synchronise
+    x = torch.randn(2, 3)
+    args = [2, x] if len(program.shapes.inputs) == 2 else [x]
+    assert_same(broken(*args), (x * 2,))
+    assert "error" in broken.capture_info
+    assert "start-up CUDA-graph capture failed" in caplog.text
+    assert_same(broken(*args), (x * 2,))  # and no second attempt

@@ -25,7 +25,8 @@ def run_world(tmp_path: Path, *flags: str, world: int = 2) -> list[dict]:
 
 @pytest.mark.inductor
 def test_two_ranks_answer_as_one_and_divide_the_compiles(tmp_path):
-    ranks = run_world(tmp_path, "--cache", str(tmp_path / "cache"))
+    # Three layers: the middle layer's piece is the first's, so it reuses that piece's artifacts.
+    ranks = run_world(tmp_path, "--cache", str(tmp_path / "cache"), "--layers", "3")
     for r, result in enumerate(ranks):
         assert result["traces"] == 1, f"rank {r}"
         assert result["max_rel_error"] < 1e-5, f"rank {r}: {result['max_rel_error']}"
@@ -38,9 +39,12 @@ def test_two_ranks_answer_as_one_and_divide_the_compiles(tmp_path):
     assert compiled[0] | compiled[1] == set(artifacts[0].values())
     # Each rank starts with its half; one that finishes early may take keys from the other's.
     assert all(compiled), "the work is divided, not repeated"
+    # A row names the rank that compiled its artifact: a reused one too (it named its own rank).
+    compiled_by = {a: r for r, mine in enumerate(compiled) for a in mine}
     for r, result in enumerate(ranks):
+        assert any(row["source"] == "reused" for row in result["rows"]), f"rank {r}"
         for row in result["rows"]:
-            assert row["rank"] == (r if row["source"] == "compiled" else 1 - r), row
+            assert row["rank"] == compiled_by[row["artifact"]], (r, row)
 
 
 def test_split_at_the_collectives_too(tmp_path):

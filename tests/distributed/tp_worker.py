@@ -3,7 +3,7 @@ GPUs) each compile their shard of ``TPLlama`` with ``sw.compile`` and check it a
 single-process eager model at every size; each rank writes ``rank<r>.json`` (its report rows,
 its traces, its largest error) to ``--out``.
 
-    python -m tests.distributed.tp_worker --world 2 --cache /tmp/c --out /tmp/o [--nccl]
+    python -m tests.distributed.tp_worker --world 2 --cache /tmp/c --out /tmp/o [--layers 3] [--nccl]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run(rank: int, args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if args.nccl else "gloo", rank=rank, world_size=args.world)
     try:
         torch.manual_seed(0)
-        full = TPLlama().to(device).eval()
+        full = TPLlama(layers=args.layers).to(device).eval()
         part = TPLlama.shard(full, rank, args.world).to(device).eval()
         splitting = [ATTENTION_OP] + (["_c10d_functional::all_reduce"] if args.split_collectives else [])
         fast = sw.compile(part, sizes=SIZES, ranges=RANGES, splitting_ops=splitting, backend=args.backend,
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache", default=None, help="a shared cache folder (default: no disk cache)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--layers", type=int, default=2, help="3 or more: the middle layers' pieces reuse one artifact")
     ap.add_argument("--nccl", action="store_true")
     ap.add_argument("--split-collectives", action="store_true", help="split the graph at the all-reduces too")
     args = ap.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shapewise as sw
@@ -84,6 +85,36 @@ def test_training_through_the_op_matches_eager():
     assert _gemv_count(fast, 2) == 5 and _gemv_count(fast, 8) == 0
 
 
+def test_broadcast_biases_and_autocast_outputs_are_left_alone():
+    w, b1 = torch.randn(16, 32), torch.randn(1)
+
+    def f(x):
+        return torch.addmm(b1, x, w.t()), F.linear(x, w)
+
+    fast = sw.compile(f, dynamic_dims={"x": 0}, sizes=[2], backend="aot_eager",
+                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+    x = torch.randn(2, 32)
+    assert_same(fast(x), f(x))
+    assert _gemv_count(fast, 2) == 1  # F.linear only: addmm's [1] bias broadcasts, which the op does not
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the matmuls' outputs are bf16, x is float32
+        auto = sw.compile(f, dynamic_dims={"x": 0}, sizes=[2], backend="aot_eager",
+                          graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+        out = auto(x)
+        assert [o.dtype for o in out] == [torch.bfloat16, torch.bfloat16]
+    assert _gemv_count(auto, 2) == 0
+
+
+def test_the_op_refuses_mismatched_shapes_at_trace_time():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.shapewise.gemv.default
+    with FakeTensorMode():
+        with pytest.raises(RuntimeError, match=r"bias must be \[N\] = \[8\]"):
+            op(torch.randn(2, 32), torch.randn(8, 32), torch.randn(1))
+        with pytest.raises(RuntimeError, match="last dim 16 != weight's K 32"):
+            op(torch.randn(2, 16), torch.randn(8, 32))
+
+
 def test_the_op_passes_torchs_custom_op_checks():
     x = torch.randn(3, 24, requires_grad=True)
     w = torch.randn(10, 24, requires_grad=True)
@@ -95,6 +126,13 @@ def test_the_op_passes_torchs_custom_op_checks():
 def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
     with pytest.raises(sw.ConfigError, match="between 1 and 16"):
         sw.passes.DecodeGemv(max_tokens=32)
+    spelled = [sw.passes.DecodeGemv(devices=d, dtypes=t) for d, t in
+               (("cpu", "float32"), ((torch.device("cpu"),), (torch.float32,)), (["cpu:0"], ["torch.float32"]))]
+    assert {(p.devices, p.dtypes) for p in spelled} == {(("cpu",), ("float32",))}
+    for bad, match in ((dict(dtypes=("flaot32",)), "'flaot32' is not a dtype"),
+                       (dict(devices=("gpu",)), "'gpu' is not a device")):
+        with pytest.raises(sw.ConfigError, match=match):
+            sw.passes.DecodeGemv(**bad)
     for n, k in ((4096, 4096), (2048, 11008), (22016, 4096), (24, 64)):
         for cfg in gemv_configs(n, k):
             assert cfg.split_k == 1 or k >= cfg.split_k * cfg.block_k
