@@ -192,6 +192,9 @@ class TPLlama(nn.Module):
     @classmethod
     def shard(cls, full: TPLlama, rank: int, world: int) -> TPLlama:
         """Rank ``rank``'s part of the single-process model ``full`` (weights copied)."""
+        if full.world != 1 or not 0 <= rank < world:
+            raise ValueError(f"TPLlama.shard takes the single-process model (world=1, got {full.world}) and a rank "
+                             f"in [0, {world}) (got {rank})")
         part = cls(len(full.layers), full.dim, full.heads, full.hidden, full.vocab, world)
         ld, lh, lv = full.dim // world, full.hidden // world, full.vocab // world
         cols, hid = slice(rank * ld, (rank + 1) * ld), slice(rank * lh, (rank + 1) * lh)

@@ -158,9 +158,15 @@ def test_the_kernel_matches_float64_at_every_config(dtype):
 
 
 @pytest.mark.gpu
-def test_a_compiled_stack_with_the_pass_and_full_cudagraphs_matches_eager():
+@pytest.mark.parametrize("tune", ["1", "0"])
+def test_a_compiled_stack_with_the_pass_and_full_cudagraphs_matches_eager(tune, monkeypatch):
+    from shapewise.kernels.gemv import _TUNED
+
+    # Tuning may keep F.linear where it is faster; untimed ("0"), the op always runs the kernel.
+    monkeypatch.setenv("SHAPEWISE_GEMV_TUNE", tune)
+    hidden = 1024 + 16 * int(tune)  # shapes of their own, so the other case's choices are not reused
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(512, 1024), nn.SiLU(), nn.Linear(1024, 512)).cuda().to(torch.bfloat16)
+    model = nn.Sequential(nn.Linear(512, hidden), nn.SiLU(), nn.Linear(hidden, 512)).cuda().to(torch.bfloat16)
     fast = sw.compile(model, sizes=[1, 2, 4, 8, 32], cudagraphs="full",
                       graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
     with torch.no_grad():
@@ -169,6 +175,10 @@ def test_a_compiled_stack_with_the_pass_and_full_cudagraphs_matches_eager():
             assert_same(fast(x), model(x), f"n={n}")
     passes = {r["key"]: r["passes"] for r in fast.report()}
     assert [k for k, p in passes.items() if p] == ["{n=1}", "{n=2}", "{n=4}", "{n=8}"], passes
+    chosen = {k[:3]: cfg for k, cfg in _TUNED.items() if hidden in k[1:3]}
+    assert {m for m, _, _ in chosen} == {1, 2, 4, 8}  # the op met every decode size...
+    if tune == "0":
+        assert all(isinstance(cfg, GemvConfig) for cfg in chosen.values())  # ...and ran the kernel
 
 
 def test_a_transformers_llama_is_rewritten_at_decode_sizes_and_answers_as_eager():
