@@ -76,10 +76,7 @@ class _Buffer:
 
     def view(self, key: tuple) -> torch.Tensor:
         if self.storage is None:
-            length = max(
-                (1 + off + sum((s - 1) * st for s, st in zip(shape, stride))) if all(shape) else 0
-                for shape, stride, off in self.layouts.values()
-            )
+            length = max(_compat.storage_length(shape, stride, off) for shape, stride, off in self.layouts.values())
             self.storage = torch.empty(max(length, 1), dtype=self.meta.dtype, device=self.meta.device)
         shape, stride, off = self.layouts[key]
         return self.storage.as_strided(shape, stride, off)
@@ -410,8 +407,8 @@ def dummy_inputs(program: Program, key: tuple, example_inputs: Sequence[Any],
         elif isinstance(meta, TensorMeta) and any(getattr(e, "free_symbols", None)
                                                   for e in (*meta.shape, *meta.stride, meta.offset)):
             shape, stride, offset = meta.at(values)
-            length = 1 + offset + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 1
-            storage = torch.zeros(length, dtype=meta.dtype, device=example.device)
+            storage = torch.zeros(max(_compat.storage_length(shape, stride, offset), 1), dtype=meta.dtype,
+                                  device=example.device)
             out.append(storage.as_strided(shape, stride, offset))
         elif i in written:
             out.append(torch.empty_strided(example.shape, example.stride(), dtype=example.dtype,

@@ -26,6 +26,7 @@ import sympy
 import torch.fx
 
 from shapewise._compat import node_value, sym_expr
+from shapewise.ir.symbolic import evaluate
 
 __all__ = ["GraphPass", "InductorPass", "Sizes", "VariantSizes"]
 
@@ -47,8 +48,10 @@ class VariantSizes(dict):
         """An int, SymInt or sympy expression at this variant: an int, or None when it depends
         on a dim that the variant leaves as a range."""
         expr = sym_expr(dim) if not isinstance(dim, sympy.Basic) else dim
-        value = expr.subs({s: v for s, v in self.symbols.items() if isinstance(v, int)})
-        return int(value) if value.is_Integer else None
+        try:
+            return evaluate(expr, {s: v for s, v in self.symbols.items() if isinstance(v, int)})
+        except KeyError:  # a symbol the variant leaves as a range
+            return None
 
     def shape(self, node: torch.fx.Node) -> tuple[int | None, ...] | None:
         """The shape of a node's tensor value at this variant (None for a non-tensor node)."""
