@@ -35,12 +35,14 @@ def resolve_symbol_names(names: Mapping[Any, str] | None, symbols: tuple[sympy.S
     """``{symbol or its name: dim name}`` as ``{symbol: dim name}`` over ``symbols``:
     ``{"s77": "n"}`` -> ``{s77: "n"}``. A name that is no symbol of ``symbols`` raises a
     ``ConfigError`` listing them, or is left out when not ``strict`` (a Dynamo trace that fixed
-    that dim). Symbol keys are kept as they are."""
+    that dim). A Symbol key is the graph's symbol of that name (a plain ``sympy.Symbol("s77")``
+    included), or kept as it is."""
     by_name = {str(s): s for s in symbols}
     out: dict[sympy.Symbol, str] = {}
     for key, name in (names or {}).items():
         if not isinstance(key, str):
-            out[key] = name
+            # sympy.Symbol("s77") is not torch's s77 (which carries integer assumptions): same name, same symbol
+            out[key if key in symbols else by_name.get(str(key), key)] = name
         elif key in by_name:
             out[by_name[key]] = name
         elif strict:
