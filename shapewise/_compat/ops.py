@@ -7,7 +7,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_op_overload", "is_op_packet", "op_key", "op_overloads", "op_qualname", "op_schema"]
+__all__ = ["LINEAR_FUNCTIONS", "is_op_overload", "is_op_packet", "op_key", "op_overloads", "op_qualname", "op_schema"]
+
+#: What ``F.linear`` appears as in a Dynamo graph (its C binding), and the Python function itself.
+LINEAR_FUNCTIONS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})
 
 
 def is_op_overload(target: Any) -> bool:

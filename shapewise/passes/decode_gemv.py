@@ -24,16 +24,14 @@ from typing import Any, ClassVar
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 
-from shapewise._compat import node_value
+from shapewise._compat import LINEAR_FUNCTIONS, node_value
 from shapewise.errors import ConfigError
 from shapewise.kernels.gemv import MAX_ROWS  # importing it registers shapewise::gemv
 from shapewise.passes.graph_pass import GraphPass, Sizes, VariantSizes
 
 __all__ = ["DecodeGemv"]
 
-_LINEAR = {torch._C._nn.linear, F.linear}
 _MATMUL = {torch.matmul, operator.matmul, torch.mm}
 _TRANSPOSE_FUNCS = {torch.t, torch.transpose, torch.Tensor.t}
 
@@ -66,7 +64,7 @@ def _match(node: torch.fx.Node) -> tuple[Any, Any, Any, torch.fx.Node | None] | 
     """(x, weight, bias, transpose node or None) when ``node`` is a linear layer."""
     if node.op != "call_function":
         return None
-    if node.target in _LINEAR:
+    if node.target in LINEAR_FUNCTIONS:
         names = ("input", "weight", "bias")
         args = list(node.args) + [node.kwargs[n] for n in names[len(node.args):] if n in node.kwargs]
         if len(args) < 2:
