@@ -3,11 +3,14 @@ operators) apart and naming them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["LINEAR_FUNCTIONS", "is_op_overload", "is_op_packet", "op_key", "op_overloads", "op_qualname", "op_schema"]
+__all__ = ["LINEAR_FUNCTIONS", "any_requires_grad", "custom_op_impl", "dispatch_modes", "increment_version",
+           "is_op_overload", "is_op_packet", "op_key", "op_overloads", "op_qualname", "op_schema", "profiler_enabled",
+           "torch_function_mode_enabled"]
 
 #: What ``F.linear`` appears as in a Dynamo graph (its C binding), and the Python function itself.
 LINEAR_FUNCTIONS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})
@@ -54,3 +57,30 @@ def op_schema(target: Any):
         overload = getattr(target, "default", None)
         return overload._schema if overload is not None else None
     return None
+
+
+def custom_op_impl(target: Any, device_type: str) -> Callable[..., Any] | None:
+    """The Python function a ``torch.library.custom_op`` runs for tensors on ``device_type``
+    once the dispatcher has passed autograd (what its backend kernel calls), or None: not such
+    an op, or a kernel of it is disabled (``torch.library`` decides then, per call)."""
+    from torch._library.custom_ops import OPDEFS
+
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    opdef = OPDEFS.get(target._schema.name)
+    fns = getattr(opdef, "_backend_fns", None)
+    if opdef is None or not isinstance(fns, dict) or getattr(opdef, "_disabled_kernel", True):
+        return None
+    if device_type in fns:
+        return fns[device_type]
+    return getattr(opdef, "_init_fn", None) if None in fns else None
+
+
+#: Per-call facts a direct call of an op's implementation must check (C functions: the hot path).
+any_requires_grad = torch._C._any_requires_grad
+torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+dispatch_modes = torch._C._len_torch_dispatch_stack
+profiler_enabled = torch._C._autograd._profiler_enabled
+increment_version = torch.autograd.graph.increment_version

@@ -281,7 +281,7 @@ class _GeneralVariant:
             callables = {}
             for p in pieces:
                 if p.is_splitting:
-                    callables[p.name] = p.gm.forward
+                    callables[p.name] = p.call or p.gm.forward
                     continue
                 v = session.compile(p, p.variants[0])
                 self.rows.append({**v.report, "key": self.label})

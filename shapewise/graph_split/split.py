@@ -242,7 +242,8 @@ def apply_plan(gm: torch.fx.GraphModule, plan: SplitPlan) -> tuple[torch.fx.Grap
         g.output(tuple(env[n] for n in exports[i]))
         name = f"piece_{i}"
         piece_gm = torch.fx.GraphModule(gm, g, class_name=name)
-        pieces.append(Piece(name=name, gm=piece_gm, is_splitting=plan.splitting[i]))
+        returned = frozenset(j for j, n in enumerate(exports[i]) if out_node in n.users)
+        pieces.append(Piece(name=name, gm=piece_gm, is_splitting=plan.splitting[i], returned=returned))
         piece_inputs.append(inputs)
 
     stitch = stitch_graph(gm, pieces, piece_inputs, exports)

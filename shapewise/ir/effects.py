@@ -12,7 +12,7 @@ import torch.fx
 
 from shapewise import _compat
 
-__all__ = ["mutated_inputs", "outputs_alias"]
+__all__ = ["aliased_outputs", "mutated_inputs", "outputs_alias"]
 
 
 #: ``x += y`` and its kin: Dynamo records them as these functions, which write their first
@@ -69,25 +69,32 @@ def mutated_inputs(gm: torch.fx.GraphModule) -> frozenset[int]:
     return frozenset(out)
 
 
-def outputs_alias(gm: torch.fx.GraphModule) -> bool:
-    """Whether an output of ``gm`` shares memory with an input, with another output, or is
-    not known (no fake value): AOTAutograd then regenerates it at run time, outside the
-    compiled code."""
+def aliased_outputs(gm: torch.fx.GraphModule) -> frozenset[int]:
+    """Positions of the outputs of ``gm`` that share memory with an input or with an earlier
+    output, or whose memory is not known (no fake value): AOTAutograd regenerates them at run
+    time, outside the compiled code."""
     inputs = {_compat.storage_key(v) for n in gm.graph.nodes if n.op == "placeholder"
               if isinstance(v := _compat.node_value(n), torch.Tensor)}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     outs = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
     seen: set[Any] = set()
-    for o in outs:
+    aliased = set()
+    for i, o in enumerate(outs):
         if not isinstance(o, torch.fx.Node):
             continue
         v = _compat.node_value(o)
         if not isinstance(v, torch.Tensor):
             if v is None:
-                return True
+                aliased.add(i)
             continue
         key = _compat.storage_key(v)
         if key in inputs or key in seen:
-            return True
+            aliased.add(i)
         seen.add(key)
-    return False
+    return frozenset(aliased)
+
+
+def outputs_alias(gm: torch.fx.GraphModule) -> bool:
+    """Whether an output of ``gm`` shares memory with an input, with another output, or is
+    not known (see ``aliased_outputs``)."""
+    return bool(aliased_outputs(gm))

@@ -192,13 +192,21 @@ class Variant:
 
 @dataclass(frozen=True)
 class Piece:
-    """A subgraph of the split program. Splitting pieces run as they are (never compiled)."""
+    """A subgraph of the split program. Splitting pieces run as they are (never compiled).
+
+    ``returned``: the positions of its outputs that the program returns to its caller (None:
+    not known, taken as all); the others only feed later pieces. ``call``: what runs a
+    splitting piece (set by ``Lower``: a direct call of its op where that is lean; None: the
+    graph's ``forward``).
+    """
 
     name: str
     gm: torch.fx.GraphModule
     is_splitting: bool = False
     shapes: ShapeInfo | None = None
     variants: tuple[Variant, ...] = ()
+    returned: frozenset[int] | None = None
+    call: Callable[..., Any] | None = None
 
     def as_compiled_for(self, variant: Variant) -> Piece:
         """This piece with the graph ``variant`` compiles: its rewritten one, if graph passes made one."""
@@ -251,14 +259,16 @@ class Program:
         return dataclasses.replace(self, **changes)
 
     def callables(self, binding: Binding | None) -> dict[str, Callable[..., Any]]:
-        """{piece name: what runs it at ``binding``}: the compiled variant, or else the graph's own
-        ``forward`` (the variant's rewritten graph, or the piece's: splitting pieces, uncompiled
-        variants, and every piece when ``binding`` is None)."""
+        """{piece name: what runs it at ``binding``}: the compiled variant, a splitting piece's
+        ``call``, or else the graph's own ``forward`` (the variant's rewritten graph, or the
+        piece's: splitting pieces, uncompiled variants, and every piece when ``binding`` is None)."""
         out = {}
         for p in self.pieces:
             v = None if p.is_splitting or binding is None else p.variant_for(binding)
             if v is not None and v.compiled is not None:
                 out[p.name] = v.compiled
+            elif p.call is not None:
+                out[p.name] = p.call
             else:
                 out[p.name] = (v.gm if v is not None and v.gm is not None else p.gm).forward
         return out

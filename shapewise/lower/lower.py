@@ -28,8 +28,9 @@ from shapewise import _compat
 from shapewise.errors import CompileError, ConfigError
 from shapewise.ir.keys import binding_key, graph_key
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta, Variant
+from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.cache import ArtifactCache, resolve_cache
-from shapewise.lower.lean import lean_call
+from shapewise.lower.lean import drop_size_asserts, expected_layouts, lean_call, lean_splitting_call
 from shapewise.passes.base import Pass, register_pass
 from shapewise.version import __version__
 
@@ -218,7 +219,7 @@ class CompileSession:
         gk = self.graph_key(piece)
         if gk is None:
             return None, False
-        options = repr(sorted(self.lower.options_for(variant.binding).items()))
+        options = repr(sorted(self.options(piece, variant).items()))
         parts = [
             "shapewise-variant/2",
             f"graph={gk.digest}",
@@ -237,6 +238,14 @@ class CompileSession:
         if self.lower.backend == "inductor":
             parts.append(f"build={self._build_part(piece)}")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest(), disk
+
+    def options(self, piece: Piece, variant: Variant) -> dict[str, Any]:
+        """The backend options of this compile: ``Lower``'s for the binding, and for a static
+        Inductor variant that may go without them, ``size_asserts=False`` (see ``drop_size_asserts``)."""
+        options = self.lower.options_for(variant.binding)
+        if self.lower.backend == "inductor" and self.lower.lean and drop_size_asserts(piece, variant, options):
+            options["size_asserts"] = False
+        return options
 
     def _key_lock(self, key: str) -> threading.Lock:
         with self._lock:
@@ -257,7 +266,7 @@ class CompileSession:
                               f"Inductor, but Lower's backend is {lower.backend_name!r}: use backend='inductor'")
 
         def compile_it() -> Callable[..., Any]:
-            options = lower.options_for(variant.binding)
+            options = self.options(piece, variant)
             if variant.inductor_passes:
                 options["post_grad_custom_post_pass"] = _compat.post_grad_pass(variant.inductor_passes)
             return lower_variant(piece, variant, lower.backend, options)
@@ -300,6 +309,10 @@ class CompileSession:
         lean = lean_call(fn, piece, variant) if source != "fallback" and lower.backend == "inductor" and lower.lean \
             and variant.gm is None else None
         fn = lean or fn
+        asserts = None
+        if source != "fallback" and lower.backend == "inductor":
+            asserts = self.options(piece, variant).get("size_asserts", True) is not False
+            fn = _with_layouts(fn, () if asserts else expected_layouts(variant))
         report = {
             "piece": piece.name,
             "key": variant.binding.describe(names),
@@ -309,6 +322,7 @@ class CompileSession:
             "backend": lower.backend_name,
             "artifact": key[:12] if key else None,
             "lean": lean is not None,
+            "size_asserts": asserts,
             "passes": ", ".join(variant.pass_labels),
         }
         if self.world > 1:  # which rank compiled the artifact (None: not recorded); a fallback runs here
@@ -358,7 +372,7 @@ class CompileSession:
         out = {}
         for p in pieces:
             v = None if p.is_splitting else p.variant_for(binding)
-            out[p.name] = p.gm.forward if v is None else self.compile(p, v).compiled
+            out[p.name] = (p.call or p.gm.forward) if v is None else self.compile(p, v).compiled
         return out
 
     def progress(self, total: int):
@@ -369,6 +383,20 @@ class CompileSession:
         want = self.lower.progress
         show = total >= 2 and (want is True or (want is None and sys.stderr.isatty()))
         return tqdm(total=total, disable=not show, desc="shapewise", unit="variant", leave=False)
+
+
+def _with_layouts(fn: Callable[..., Any], layouts: tuple) -> Callable[..., Any]:
+    """``fn`` carrying ``LAYOUTS_ATTR`` (for the runner); wrapped where it takes no attribute."""
+    try:
+        setattr(fn, LAYOUTS_ATTR, layouts)
+        return fn
+    except (AttributeError, TypeError):
+        def call(*args: Any) -> Any:
+            return fn(*args)
+
+        call.__wrapped__ = fn  # type: ignore[attr-defined]
+        setattr(call, LAYOUTS_ATTR, layouts)
+        return call
 
 
 @register_pass
@@ -388,7 +416,10 @@ class Lower(Pass):
     ``cache``: None (the default folder unless ``SHAPEWISE_CACHE=0``), False, True or a folder;
     only Inductor artifacts are cached. ``progress``: None (a bar on a terminal), True, False.
     ``lean``: call Inductor inference artifacts past AOTAutograd's runtime wrappers where those
-    have nothing to do (see ``lean_call``; the report's ``lean`` column says where).
+    have nothing to do (see ``lean_call``; the report's ``lean`` column says where), compile
+    static pieces without Inductor's input asserts (the runner checks what needs it, see
+    ``drop_size_asserts``; the ``size_asserts`` column) and call splitting custom ops past
+    their dispatch where it has no work (``lean_splitting_call``); False: none of these.
     """
 
     name: ClassVar[str] = "lower"
@@ -448,6 +479,9 @@ class Lower(Pass):
         return (session or self.session()).compile(piece, variant)
 
     def apply(self, program: Program) -> Program:
+        if self.lean:  # splitting pieces that are one custom op's call: called past its dispatch where it has no work
+            program = program.replace(pieces=tuple(
+                dataclasses.replace(p, call=lean_splitting_call(p)) if p.is_splitting else p for p in program.pieces))
         if self.deferred:  # compiled by the dispatch, in a session of its own (see BuildDispatch)
             pieces = tuple(p if p.is_splitting else dataclasses.replace(
                 p, variants=tuple(dataclasses.replace(v, compiled=None, report=self._pending_row(p, v))

@@ -67,14 +67,15 @@ def _split_program(sizes=(2, 4)):
         .run(gm).program
 
 
-def test_callables_are_the_variants_or_the_pieces_own_forward():
+def test_callables_are_the_variants_the_splitting_calls_or_the_pieces_own_forward():
     program = _split_program()
     binding = program.bindings[0]
     got = program.callables(binding)
     for p in program.pieces:
         v = None if p.is_splitting else p.variant_for(binding)
-        assert got[p.name] == (v.compiled if v is not None else p.gm.forward)
-    assert all(fn == p.gm.forward for p, fn in zip(program.pieces, program.callables(None).values()))
+        assert got[p.name] == (v.compiled if v is not None else p.call or p.gm.forward)
+    assert all(fn == (p.call or p.gm.forward) for p, fn in zip(program.pieces, program.callables(None).values()))
+    assert [p.call is not None for p in program.pieces] == [False, True, False], "the custom op's piece runs direct"
 
 
 def test_the_stitched_runner_keeps_its_source_and_frees_intermediates():

@@ -50,9 +50,10 @@ def test_static_options_reach_the_static_compile():
     def f(x):
         return torch.nn.functional.gelu(x @ x.t()).sum(0)
 
-    # Static code checks its input layout with assert_size_stride(...) unless size_asserts=False:
-    # visible proof in the generated code that the option reached the static compile.
-    plain = sw.compile(f, sizes=[3], backend="inductor")
+    # Static code checks its input layout with assert_size_stride(...) when size_asserts=True
+    # (shapewise leaves them out by default, tests/lower/test_size_asserts.py): visible proof in
+    # the generated code that the option reached the static compile.
+    plain = sw.compile(f, sizes=[3], backend="inductor", static_options={"size_asserts": True})
     tuned = sw.compile(f, sizes=[3], ranges=[(4, 16)], backend="inductor", static_options={"size_asserts": False})
     with torch.no_grad():
         for n in (3, 9):

@@ -1,7 +1,7 @@
 """Lean calls: an Inductor inference variant is called past AOTAutograd's runtime wrappers only
 where they have nothing to do, and gives the wrapped call's answers at every size; variants
-whose wrappers have work (an output aliasing an input, an input written, training, a call
-under autocast) keep them."""
+whose wrappers have work (an output the caller gets that aliases an input, an input written,
+training, a call under autocast) keep them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.inductor
 
 
 class Mixed(torch.nn.Module):
-    """piece_0 returns a view of its input (an alias: not lean); piece_2 computes (lean)."""
+    """piece_0 returns a view of its input to the splitting op (an alias no caller sees: lean);
+    piece_2 computes (lean)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,9 +48,41 @@ def test_lean_where_the_wrappers_have_nothing_to_do_and_the_same_answers():
             assert_same(fast(x), model(x), f"n={n}")
             assert_same(fast(x), wrapped(x), f"n={n} (wrapped)")
     lean = _lean_by_piece(fast)
-    assert lean["piece_0"] == {False}, "piece_0 returns a view of its input: AOTAutograd regenerates it"
+    assert lean["piece_0"] == {True}, "piece_0's view of its input only feeds the splitting op"
     assert lean["piece_2"] == {True}
     assert all(v == {False} for v in _lean_by_piece(wrapped).values())
+
+
+class Views(torch.nn.Module):
+    """piece_0 returns two views of one intermediate and a view of a buffer's slice to the
+    splitting op (lean); piece_2 reads the buffer again and returns a view of its input to the
+    caller (wrapped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(64, 16))
+
+    def forward(self, x):
+        n = x.shape[0]
+        h = x * 2
+        a = torch.ops.shapewise_toy.attention(h.view(n, 2, 8), h.view(n, 2, 8), self.table[:n].view(n, 2, 8))
+        return a.reshape(n, 16) + self.table[:n], x.view(n, 2, 8)
+
+
+def test_views_the_caller_never_sees_are_lean_and_right():
+    model = Views().eval()
+    fast = sw.compile(model, sizes=[1, 4], splitting_ops=[ATTENTION_OP], backend="inductor", cache=False)
+    with torch.no_grad():
+        for n in (1, 4, 4, 1):
+            x = torch.randn(n, 16)
+            out, view = fast(x)
+            ref, ref_view = model(x)
+            assert_same(out, ref, f"n={n}")
+            assert_same(view, ref_view, f"n={n}: the view returned")
+            assert view._base is x, "the caller's view is eager's: a view of x"
+    lean = _lean_by_piece(fast)
+    assert lean["piece_0"] == {True}, "piece_0's views only feed the splitting op"
+    assert lean["piece_2"] == {False}, "piece_2 returns a view of x to the caller: AOTAutograd regenerates it"
 
 
 def test_not_lean_when_a_piece_writes_its_input_or_trains():
