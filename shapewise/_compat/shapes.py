@@ -16,13 +16,18 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 __all__ = [
     "compute_required_storage_length",
-    "evaluate_at", "fresh_tracing_context", "make_symint", "no_zero_one_specialisation", "node_value",
-    "range_guard_violations", "shape_env_of", "storage_length", "sym_expr", "symbol_hints", "symbolic_env",
-    "trace_guards", "value_range",
+    "evaluate_at", "fake_mode_active", "fresh_tracing_context", "make_symint", "no_zero_one_specialisation",
+    "node_value", "range_guard_violations", "shape_env_of", "storage_length", "sym_expr", "symbol_hints",
+    "symbolic_env", "trace_guards", "value_range",
 ]
 
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def fake_mode_active() -> bool:
+    """Whether a ``FakeTensorMode`` is active here (tensors made now would be fake)."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def node_value(node: torch.fx.Node) -> Any:

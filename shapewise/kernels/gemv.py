@@ -13,25 +13,39 @@ most ``MAX_ROWS`` rows, Triton importable) and ``torch.nn.functional.linear`` ev
 so it is right on any input. Its fake implementation lets Dynamo, AOTAutograd and Inductor
 trace it, and its backward is the usual one, so it trains.
 
-Tuning: the first call per (rows, N, K, dtype, bias, device) times each of ``gemv_configs``
-with ``triton.testing.do_bench`` and keeps the fastest (outside CUDA graph capture; inside one
-it takes the first config that fits, untimed). ``SHAPEWISE_GEMV_TUNE=0`` turns the timing off.
+Tuning: the first call per (rows, N, K, dtype, bias, device) looks in memory, then on disk
+(``shapewise.kernels.store``: ``<shapewise cache>/gemv-tuning/``, one JSON file per GPU model,
+torch and Triton versions, kernel source and shape, shared by every process and rank; ``rm -r``
+the folder to clear it, ``SHAPEWISE_CACHE=0`` to keep it in memory only), and only then times
+each of ``gemv_configs`` with ``triton.testing.do_bench``, keeps the fastest (or ``F.linear``,
+when that is faster) and writes it to disk. ``tune()`` does this ahead of time on random tensors
+(``DecodeGemv`` calls it at compile time). Inside a CUDA graph capture nothing is timed: a shape
+missing from memory and disk takes the first config that fits, untimed and not remembered.
+``SHAPEWISE_GEMV_TUNE=0`` turns the timing off (first config, never written to disk).
 A split-K config sums its K slices with float32 atomics, whose order varies: the last bits of
 the result can differ from run to run (bf16 rounding of a float32 sum, well inside tolerance).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import hashlib
+import inspect
 import logging
+import marshal
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available"]
+from shapewise.kernels.store import MISSING, TuningStore
+
+__all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune"]
 
 log = logging.getLogger("shapewise")
 
@@ -158,39 +172,134 @@ def _key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
 
 
 def gemv_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> GemvConfig | None:
-    """The config the op uses for these arguments (tuned on first use; None: ``F.linear`` wins
-    or no config compiled)."""
-    key = _key(x, w, b)
+    """The config the op uses for these arguments (memory, then disk, then tuned on them; None:
+    ``F.linear`` wins or no config compiled)."""
+    return _config(_key(x, w, b), x.device, lambda: (x, w, b))
+
+
+def tune(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: bool = False,
+         device: torch.device | str = "cuda", *, wait: bool = True) -> GemvConfig | None:
+    """Tune ``x[rows, k] @ w[n, k].T (+ b[n])`` ahead of the op's first call, on random tensors
+    (made with a generator of their own): the config the op will use, from memory or disk when
+    some process tuned it already, else timed here and written to disk for the others. With
+    ``wait=False`` a shape that another process is tuning right now is left to it (None, at
+    once). Needs the kernel's device (CUDA with Triton); a shape the kernel does not take (other
+    dtypes, more rows, K < 16) is not timed: None, ``F.linear``."""
+    if dtype not in _FAST_DTYPES or not 1 <= rows <= MAX_ROWS or k < 16 or n * k > _MAX_OFFSET:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+
+    def tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        g = torch.Generator(device).manual_seed(0)
+        make = lambda *shape: torch.randn(*shape, dtype=dtype, device=device, generator=g)
+        return make(rows, k), make(n, k), make(n) if bias else None
+
+    on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with torch.no_grad(), on:
+        return _config((rows, n, k, dtype, bias, device.index), device, tensors, wait)
+
+
+def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait: bool = True) -> GemvConfig | None:
+    """Memory, then disk (under the key's file lock), then ``_tune(*tensors())``."""
     cfg = _TUNED.get(key, False)
     if cfg is not False:
         return cfg
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    configs = gemv_configs(w.shape[0], w.shape[1], sms)
+    gpu, sms = _device_info(device)
+    configs = gemv_configs(key[1], key[2], sms)
     if os.environ.get("SHAPEWISE_GEMV_TUNE", "1") == "0":
         _TUNED[key] = configs[0]  # untimed, by request
         return configs[0]
-    if torch.cuda.is_current_stream_capturing():
-        return configs[0]  # no timing inside a capture: untimed, and not remembered
+    store = TuningStore.default("gemv")
+    fields = _fields(key, gpu, sms, configs)
+    parse = functools.partial(_parse, configs=configs)
     with _TUNE_LOCK:
-        if key not in _TUNED:
-            _TUNED[key] = _tune(x, w, b, configs)
-    return _TUNED[key]
+        if key in _TUNED:
+            return _TUNED[key]
+        if _capturing():  # no timing inside a capture: what disk has, else untimed and not remembered
+            cfg = store.load(fields, parse) if store is not None else MISSING
+            return configs[0] if cfg is MISSING else _TUNED.setdefault(key, cfg)
+        with store.locked(fields, wait) if store is not None else contextlib.nullcontext(True) as held:
+            if not held:
+                return None  # another process is tuning it; the op's first call reads its result
+            cfg = store.load(fields, parse) if store is not None else MISSING
+            if cfg is MISSING:
+                cfg = _tune(*tensors(), configs)
+                if store is not None:
+                    store.save(fields, None if cfg is None else dataclasses.asdict(cfg))
+        _TUNED[key] = cfg
+    return cfg
+
+
+def _device_info(device: torch.device) -> tuple[str, int]:
+    """(GPU model, multiprocessors): what a stored result is valid for."""
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.multi_processor_count
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _source_hash() -> str:
+    """A hash of the code whose timing a stored result records (kernel, launch, tuner)."""
+    h = hashlib.sha256()
+    for fn in _TIMED_CODE:
+        try:
+            h.update(inspect.getsource(fn).encode())
+        except (OSError, TypeError):  # no source shipped: the bytecode stands in
+            h.update(marshal.dumps(fn.__code__))
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def _fields(key: tuple, gpu: str, sms: int, configs: list[GemvConfig]) -> dict:
+    """A stored result's key: everything that changes which config wins."""
+    rows, n, k, dtype, bias, _ = key  # not the device index: ranks on other GPUs of the model share it
+    return {"kernel": "gemv", "gpu": gpu, "sms": sms, "torch": torch.__version__, "triton": _triton_version(),
+            "source": _source_hash(), "configs": hashlib.sha256(repr(configs).encode()).hexdigest()[:16],
+            "rows": rows, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "bias": bool(bias)}
+
+
+def _parse(value, configs: list[GemvConfig]) -> GemvConfig | None:
+    """A stored config (None: ``F.linear``); one not among ``configs`` is refused."""
+    if value is None:
+        return None
+    cfg = GemvConfig(**value)
+    if cfg not in configs:
+        raise ValueError(f"{cfg} is not one of the configs for this shape")
+    return cfg
+
+
+def _bench(fn) -> float:
+    """Median milliseconds of ``fn()`` (``triton.testing.do_bench``)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
 def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: list[GemvConfig]) -> GemvConfig | None:
-    from triton.testing import do_bench
-
     best, best_ms = None, float("inf")
     for cfg in configs:
         try:
-            ms = do_bench(lambda cfg=cfg: _launch(x, w, b, cfg), warmup=5, rep=25, return_mode="median")
+            ms = _bench(lambda cfg=cfg: _launch(x, w, b, cfg))
         except Exception as e:  # a config that does not compile or fit is skipped
             log.debug("shapewise gemv: config %s failed for %s: %s", cfg, _key(x, w, b), e)
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
     try:
-        linear_ms = do_bench(lambda: F.linear(x, w, b), warmup=5, rep=25, return_mode="median")
+        linear_ms = _bench(lambda: F.linear(x, w, b))
     except Exception:
         linear_ms = float("inf")
     if best is None:
@@ -203,6 +312,7 @@ def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: lis
     return best
 
 
+_TIMED_CODE = (_kernel.__wrapped__, _launch, _tune)  # what ``_source_hash`` covers, bound at import
 _MAX_OFFSET = 2**31 - 1  # the kernel's pointer offsets are 32-bit
 
 

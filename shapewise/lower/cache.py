@@ -40,6 +40,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from shapewise import _compat
+from shapewise.cache_dir import cache_enabled, default_cache_dir
 from shapewise.errors import ConfigError, ShapewiseError
 
 __all__ = [
@@ -54,7 +55,6 @@ log = logging.getLogger("shapewise")
 FORMAT = 1
 MAGIC = b"SHAPEWISE-ARTIFACT\n"
 SUFFIX = ".swa"
-_OFF = ("0", "false", "off", "no")
 # A process waiting for another one's compile of the same artifact gives up after this long
 # and compiles it itself (the write stays atomic either way).
 LOCK_TIMEOUT_S = 900.0
@@ -65,22 +65,13 @@ class CacheCorrupt(ShapewiseError):
     """A cache file that cannot be used: truncated, garbage, or written by another build."""
 
 
-def default_cache_dir() -> Path:
-    """``$SHAPEWISE_CACHE_DIR``, else ``$XDG_CACHE_HOME/shapewise``, else ``~/.cache/shapewise``."""
-    env = os.environ.get("SHAPEWISE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "shapewise"
-
-
 def resolve_cache(option: Any) -> ArtifactCache | None:
     """``None``: on at ``default_cache_dir()`` unless ``SHAPEWISE_CACHE=0``; ``False``: off;
     ``True``: on at the default folder; a path: on at that folder; an ``ArtifactCache``: itself."""
     if isinstance(option, ArtifactCache):
         return option
     if option is None:
-        if os.environ.get("SHAPEWISE_CACHE", "1").strip().lower() in _OFF:
+        if not cache_enabled():
             return None
         return ArtifactCache(default_cache_dir())
     if option is False:

@@ -12,10 +12,18 @@ size on the GPU, ``F.linear`` elsewhere. Range variants and larger sizes keep cu
 Only nodes whose input is on one of ``devices`` with one of ``dtypes`` are rewritten (by default
 CUDA, bf16 and fp16: where the kernel runs; on the CPU the op would only be ``F.linear`` behind
 a custom-op boundary that Inductor cannot fuse through).
+
+The pass also tunes the kernel for each (rows, N, K, dtype, bias) it rewrites, at compile time
+(``shapewise.kernels.gemv.tune``; on a CUDA device with Triton, outside fake-tensor tracing and
+CUDA graph capture), skipping shapes already in memory or on disk (``<shapewise cache>/gemv-tuning/``).
+Tensor-parallel ranks sharing the cache folder divide the work: a rank leaves a shape that
+another one is tuning (its file lock is held) to it, and the op's first call reads the result
+from disk.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from collections.abc import Callable
@@ -25,12 +33,14 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
-from shapewise._compat import LINEAR_FUNCTIONS, node_value
+from shapewise._compat import LINEAR_FUNCTIONS, fake_mode_active, node_value
 from shapewise.errors import ConfigError
-from shapewise.kernels.gemv import MAX_ROWS  # importing it registers shapewise::gemv
+from shapewise.kernels.gemv import MAX_ROWS, triton_gemv_available, tune  # importing it registers shapewise::gemv
 from shapewise.passes.graph_pass import GraphPass, Sizes, VariantSizes
 
 __all__ = ["DecodeGemv"]
+
+log = logging.getLogger("shapewise")
 
 _MATMUL = {torch.matmul, operator.matmul, torch.mm}
 _TRANSPOSE_FUNCS = {torch.t, torch.transpose, torch.Tensor.t}
@@ -132,13 +142,16 @@ class DecodeGemv(GraphPass):
         if not isinstance(sizes, VariantSizes):
             sizes = VariantSizes(sizes)
         op = torch.ops.shapewise.gemv.default
+        shapes = []
         for node in list(gm.graph.nodes):
             found = _match(node)
             if found is None:
                 continue
             x, weight, bias, transpose = found
-            if not self._fits(node, x, weight, sizes):
+            shape = self._fits(node, x, weight, bias, sizes)
+            if shape is None:
                 continue
+            shapes.append(shape)
             with gm.graph.inserting_before(node):
                 new = gm.graph.call_function(op, (x, weight, bias))
             new.meta.update(node.meta)
@@ -147,20 +160,40 @@ class DecodeGemv(GraphPass):
             if transpose is not None and not transpose.users:
                 gm.graph.erase_node(transpose)
         gm.recompile()
+        _tune_ahead(shapes)
         return gm
 
-    def _fits(self, node: torch.fx.Node, x: Any, weight: Any, sizes: VariantSizes) -> bool:
+    def _fits(self, node: torch.fx.Node, x: Any, weight: Any, bias: Any, sizes: VariantSizes) -> tuple | None:
+        """(rows, N, K, dtype, bias?, device) when the node is rewritten at these sizes, else None."""
         xv = node_value(x) if isinstance(x, torch.fx.Node) else None
         wv = node_value(weight) if isinstance(weight, torch.fx.Node) else None
         if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or wv.dim() != 2 or xv.dim() < 1:
-            return False
+            return None
         if xv.device.type not in self.devices or str(xv.dtype).removeprefix("torch.") not in self.dtypes:
-            return False
+            return None
         out = node_value(node)
         if wv.dtype != xv.dtype or not isinstance(out, torch.Tensor) or out.dtype != xv.dtype:
-            return False  # e.g. under autocast, where the matmul's output dtype is autocast's, not x's
+            return None  # e.g. under autocast, where the matmul's output dtype is autocast's, not x's
         shape = sizes.shape(x)
         if shape is None or any(d is None for d in shape) or shape[-1] != sizes.evaluate(wv.shape[1]):
-            return False
-        return 1 <= math.prod(shape[:-1]) <= self.max_tokens
+            return None
+        rows = math.prod(shape[:-1])
+        if not 1 <= rows <= self.max_tokens:
+            return None
+        return rows, sizes.evaluate(wv.shape[0]), shape[-1], xv.dtype, bias is not None, xv.device
+
+
+def _tune_ahead(shapes: list[tuple]) -> None:
+    """Tune each rewritten shape now, where the kernel runs and tensors are real (the pass also
+    runs on CPU graphs and may run under fake tensors); a shape another process is tuning is
+    left to it (``wait=False``)."""
+    for rows, n, k, dtype, bias, device in dict.fromkeys(shapes):
+        if (device.type != "cuda" or n is None or not triton_gemv_available() or fake_mode_active()
+                or torch.cuda.is_current_stream_capturing()):
+            continue
+        try:
+            tune(rows, n, k, dtype, bias, device, wait=False)
+        except Exception as e:  # noqa: BLE001 - ahead of time is an optimisation: the op tunes on its first call
+            log.warning("shapewise: DecodeGemv could not tune rows=%d weight=[%d, %d] %s at compile time (%s: %s); "
+                        "the op tunes it on its first call", rows, n, k, dtype, type(e).__name__, e)
 

@@ -1,0 +1,246 @@
+"""``shapewise::gemv``'s tuning results on disk (``shapewise.kernels.store``): round trips, keys,
+broken files, the cache switch, concurrent writers, and ``DecodeGemv`` tuning at compile time.
+
+On the CPU a stand-in GPU replaces the timing (``_bench``), the launch and the device query, so
+the real lookup and tuner run; the GPU test (marker ``gpu``) tunes a real shape."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import multiprocessing
+import threading
+import time
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shapewise as sw
+from shapewise.kernels.store import MISSING, TuningStore
+
+gemv = importlib.import_module("shapewise.kernels.gemv")  # the package's ``gemv`` is the op
+decode_gemv = importlib.import_module("shapewise.passes.decode_gemv")
+SHAPE = dict(rows=2, n=64, k=256, dtype=torch.bfloat16, bias=True)
+
+
+class StandInGpu:
+    """Times ``fastest`` at 1 ms, other configs at 2 ms and F.linear at ``linear_ms``; counts tunes."""
+
+    def __init__(self, monkeypatch, name: str = "Stand-in GPU", linear_ms: float = 5.0, delay: float = 0.0):
+        self.name, self.linear_ms, self.delay = name, linear_ms, delay
+        self.fastest = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)[3]
+        self.tunes, self._last = 0, None
+        monkeypatch.setattr(gemv, "_device_info", lambda device: (self.name, 132))
+        monkeypatch.setattr(gemv, "_capturing", lambda: False)  # no CUDA query (a forked child cannot make one)
+        monkeypatch.setattr(gemv, "_launch", self._launch)
+        monkeypatch.setattr(gemv, "F", types.SimpleNamespace(linear=self._linear))
+        monkeypatch.setattr(gemv, "_bench", self._bench)
+
+    def _launch(self, x, w, b, cfg):
+        self._last = cfg
+
+    def _linear(self, x, w, b=None):
+        self._last = "linear"
+
+    def _bench(self, fn) -> float:
+        fn()
+        time.sleep(self.delay)
+        if self._last == "linear":
+            self.tunes += 1  # F.linear is timed once per tune, last
+            return self.linear_ms
+        return 1.0 if self._last == self.fastest else 2.0
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch) -> TuningStore:
+    monkeypatch.setenv("SHAPEWISE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SHAPEWISE_GEMV_TUNE", raising=False)
+    monkeypatch.setattr(gemv, "_TUNED", {})
+    return TuningStore.default("gemv")
+
+
+def _files(store: TuningStore) -> list:
+    return sorted(store.folder.glob("*.json")) if store.folder.is_dir() else []
+
+
+def test_a_tuned_shape_is_written_once_and_read_back_by_a_fresh_process(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest and gpu.tunes == 1
+    (path,) = _files(store)
+    data = json.loads(path.read_text())
+    assert data["value"] == {"block_n": gpu.fastest.block_n, "block_k": gpu.fastest.block_k,
+                             "split_k": gpu.fastest.split_k, "num_warps": gpu.fastest.num_warps,
+                             "num_stages": gpu.fastest.num_stages}
+    assert {k: data["key"][k] for k in ("gpu", "rows", "n", "k", "dtype", "bias")} == {
+        "gpu": "Stand-in GPU", "rows": 2, "n": 64, "k": 256, "dtype": "bfloat16", "bias": True}
+    assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest and gpu.tunes == 1  # memory
+    monkeypatch.setattr(gemv, "_TUNED", {})  # a process started later: memory empty, disk has it
+    x, w, b = torch.randn(2, 256, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16), torch.ones(64)
+    assert gemv.gemv_config(x, w, b) == gpu.fastest and gpu.tunes == 1
+    gpu.linear_ms = 0.5  # F.linear wins a shape of its own: None is stored and read back as None
+    assert gemv.tune(**{**SHAPE, "rows": 3}, device="cpu") is None and gpu.tunes == 2
+    monkeypatch.setattr(gemv, "_TUNED", {})
+    assert gemv.tune(**{**SHAPE, "rows": 3}, device="cpu") is None and gpu.tunes == 2
+    assert len(_files(store)) == 2
+
+
+def test_the_key_holds_everything_that_changes_the_answer(store, monkeypatch):
+    configs = gemv.gemv_configs(64, 256, 132)
+
+    def path(key=(2, 64, 256, torch.bfloat16, True, 0), gpu="H200", sms=132, cfgs=configs):
+        return store.path(gemv._fields(key, gpu, sms, cfgs))
+
+    base = path()
+    assert path(key=(2, 64, 256, torch.bfloat16, True, 1)) == base  # ranks on other GPUs of the model share it
+    other = [path(gpu="A100"), path(sms=108), path(cfgs=configs[:-1]), path(key=(1, 64, 256, torch.bfloat16, True, 0)),
+             path(key=(2, 65, 256, torch.bfloat16, True, 0)), path(key=(2, 64, 512, torch.bfloat16, True, 0)),
+             path(key=(2, 64, 256, torch.float16, True, 0)), path(key=(2, 64, 256, torch.bfloat16, False, 0))]
+    for module, name in ((gemv, "_triton_version"), (torch, "__version__"), (gemv, "_source_hash")):
+        with monkeypatch.context() as m:
+            real = getattr(module, name)
+            m.setattr(module, name, (lambda: "9.9.9") if callable(real) else "9.9.9")
+            other.append(path())
+    assert base not in other and len(set(other)) == len(other)
+
+
+@pytest.mark.parametrize("broken", ["{not json", "", '{"format": 1, "key": {"rows": 1}, "value": null}',
+                                    '{"format": 1, "key": KEY, "value": {"block_n": 7, "block_k": 3}}',
+                                    '{"format": 1, "key": KEY, "value": {"tile": 1}}'])
+def test_a_broken_file_warns_once_is_tuned_again_and_rewritten(store, monkeypatch, caplog, broken):
+    gpu = StandInGpu(monkeypatch)
+    gemv.tune(**SHAPE, device="cpu")
+    (path,) = _files(store)
+    key = json.dumps(json.loads(path.read_text())["key"])
+    path.write_text(broken.replace("KEY", key))
+    monkeypatch.setattr(gemv, "_TUNED", {})
+    with caplog.at_level(logging.WARNING, logger="shapewise"):
+        assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest
+    assert gpu.tunes == 2
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"shapewise: ignoring the tuning file {path}"]
+    assert json.loads(path.read_text())["value"]["block_n"] == gpu.fastest.block_n
+
+
+def test_with_the_cache_off_or_timing_off_nothing_is_written(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    monkeypatch.setenv("SHAPEWISE_CACHE", "0")
+    assert TuningStore.default("gemv") is None
+    assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest and gpu.tunes == 1  # tuned, in memory only
+    monkeypatch.delenv("SHAPEWISE_CACHE")
+    monkeypatch.setenv("SHAPEWISE_GEMV_TUNE", "0")
+    first = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)[0]
+    assert gemv.tune(**{**SHAPE, "rows": 5}, device="cpu") == first and gpu.tunes == 1  # untimed
+    assert not store.folder.exists()
+
+
+def test_threads_writing_one_key_leave_a_whole_file(tmp_path, caplog):
+    store = TuningStore(tmp_path)
+    key = {"kernel": "test", "rows": 1}
+    values = [{"writer": i, "pad": "x" * 4000} for i in range(8)]
+    seen = []
+
+    def write(v):
+        for _ in range(30):
+            store.save(key, v)
+            seen.append(store.load(key))
+
+    with caplog.at_level(logging.WARNING, logger="shapewise"):
+        threads = [threading.Thread(target=write, args=(v,)) for v in values]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not caplog.records and all(v in values for v in seen) and store.load(key) in values
+    assert [p.name for p in tmp_path.iterdir()] == [store.path(key).name]  # no temp files left
+    assert TuningStore(tmp_path / "missing").load(key) is MISSING
+
+
+def _tune_in_child(conn) -> None:
+    gemv.tune(**SHAPE, device="cpu")
+    conn.send(gemv._bench.__self__.tunes)
+
+
+def test_processes_sharing_the_folder_tune_a_shape_once(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch, delay=0.01)  # ~0.2 s a tune: the second process waits on the lock
+    ctx = multiprocessing.get_context("fork")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_tune_in_child, args=(child,)) for _, child in pipes]
+    for p in procs:
+        p.start()
+    for _, child in pipes:
+        child.close()  # so that a child that dies is an EOFError here, not a hang
+    tunes = [parent.recv() if parent.poll(60) else None for parent, _ in pipes]
+    for p in procs:
+        p.join(timeout=30)
+    assert sorted(tunes) == [0, 1] and len(_files(store)) == 1
+    assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest and gpu.tunes == 0  # this process reads it too
+
+
+def test_decode_gemv_hands_each_rewritten_shape_to_the_tuner(monkeypatch):
+    seen = []
+    monkeypatch.setattr(decode_gemv, "_tune_ahead", lambda shapes: seen.append(shapes))
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16, bias=False)).to(torch.bfloat16)
+    fast = sw.compile(model, sizes=[1, 4, 32], backend="aot_eager",
+                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, devices=("cpu",))])
+    fast(torch.randn(4, 32, dtype=torch.bfloat16))
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert sorted(s for shapes in seen for s in shapes) == [
+        (1, 16, 64, bf16, False, cpu), (1, 64, 32, bf16, True, cpu), (4, 16, 64, bf16, False, cpu),
+        (4, 64, 32, bf16, True, cpu)]
+
+
+def test_decode_gemv_tunes_ahead_only_on_cuda_with_triton_and_real_tensors(monkeypatch):
+    tuned = []
+    monkeypatch.setattr(decode_gemv, "tune", lambda *a, **kw: tuned.append((a, kw)))
+    monkeypatch.setattr(decode_gemv, "triton_gemv_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    cuda = (1, 64, 32, torch.bfloat16, True, torch.device("cuda", 0))
+    decode_gemv._tune_ahead([(1, 64, 32, torch.bfloat16, True, torch.device("cpu")), cuda, cuda])
+    assert tuned == [(cuda, {"wait": False})]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        decode_gemv._tune_ahead([cuda])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    decode_gemv._tune_ahead([cuda])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(decode_gemv, "triton_gemv_available", lambda: False)
+    decode_gemv._tune_ahead([cuda])
+    assert len(tuned) == 1
+
+
+@pytest.mark.gpu
+def test_a_real_shape_tuned_on_the_gpu_is_read_back_without_timing(store, monkeypatch):
+    m, n, k = 4, 4096 + 48, 4096  # a shape no other test tunes
+    cfg = gemv.tune(m, n, k, torch.bfloat16, True, "cuda")
+    (path,) = _files(store)
+    assert json.loads(path.read_text())["key"]["gpu"] == torch.cuda.get_device_name()
+    timed = []
+    real = gemv._tune
+    monkeypatch.setattr(gemv, "_tune", lambda *a: timed.append(a) or real(*a))
+    monkeypatch.setattr(gemv, "_TUNED", {})
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    assert gemv.gemv_config(x, w, b) == cfg and not timed
+    torch.testing.assert_close(torch.ops.shapewise.gemv(x, w, b), F.linear(x, w, b), rtol=2e-2, atol=2e-2)
+    assert not timed
+
+
+@pytest.mark.gpu
+def test_decode_gemv_tunes_at_compile_time_and_a_restart_tunes_nothing(store, monkeypatch):
+    real, timed = gemv._tune, []
+    monkeypatch.setattr(gemv, "_tune", lambda *a: timed.append(a[0].shape[0]) or real(*a))
+    hidden = 1024 + 48  # shapes of their own
+    model = nn.Sequential(nn.Linear(512, hidden), nn.SiLU(), nn.Linear(hidden, 512)).cuda().to(torch.bfloat16)
+    fast = sw.compile(model, sizes=[1, 2, 32], graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
+    with torch.no_grad():
+        fast(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16))
+        assert sorted(timed) == [1, 1, 2, 2] and len(_files(store)) == 4  # both decode sizes, before their calls
+        monkeypatch.setattr(gemv, "_TUNED", {})  # a restart: memory empty, disk full
+        x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(fast(x), model(x), rtol=2e-2, atol=2e-2)
+    assert len(timed) == 4
