@@ -1,6 +1,6 @@
 """What a graph does to its inputs, read from its fake values: which placeholders it may write
 (``mutated_inputs``) and whether an output shares memory with an input or another output
-(``outputs_alias``). Conservative: an unknown op that might write counts as writing."""
+(``aliased_outputs``). Conservative: an unknown op that might write counts as writing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.fx
 
 from shapewise import _compat
 
-__all__ = ["aliased_outputs", "mutated_inputs", "outputs_alias"]
+__all__ = ["aliased_outputs", "mutated_inputs"]
 
 
 #: ``x += y`` and its kin: Dynamo records them as these functions, which write their first
@@ -93,8 +93,3 @@ def aliased_outputs(gm: torch.fx.GraphModule) -> frozenset[int]:
         seen.add(key)
     return frozenset(aliased)
 
-
-def outputs_alias(gm: torch.fx.GraphModule) -> bool:
-    """Whether an output of ``gm`` shares memory with an input, with another output, or is
-    not known (see ``aliased_outputs``)."""
-    return bool(aliased_outputs(gm))
