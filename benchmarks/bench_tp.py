@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from hardware import cpu_name  # noqa: E402
 
+from shapewise.kernels.gemv import tuning_stats as gemv_tuning_stats  # noqa: E402
 from shapewise.models import ATTENTION_OP as ATTN  # noqa: E402
 from shapewise.models import TPLlama  # noqa: E402
 
@@ -403,6 +404,7 @@ class Rank:
             "pieces": len(fast.program.compute_pieces),
             "stages": stages,
             "capture_info": getattr(fast.runnable, "capture_info", None),  # capture="startup": time, memory
+            "gemv_tuning": gemv_tuning_stats(),  # DecodeGemv's tuning in this process: shapes, compile_s, timing_s
             "rows": [{k: row.get(k) for k in ("piece", "key", "source", "artifact", "rank", "seconds")}
                      for row in rows],
         }
@@ -663,6 +665,8 @@ def summarize(phases: dict[int, dict[str, Any]], tokens: list[int], tol: float) 
                 "compiled_by_rank_per_report": [c["compiled_by_rank"] if c else None for c in cs],
                 "variants": done[0]["variants"],
                 "traces_per_rank": [c["traces"] if c else None for c in cs],
+                "variant_seconds_per_rank": [round(c["variant_seconds"], 2) if c else None for c in cs],
+                "gemv_tuning_per_rank": [c.get("gemv_tuning") if c else None for c in cs],
                 "stages": done[0].get("stages"),
             }
     summary: dict[str, Any] = {"per_forward_us": forward, "rel_l2_error": errors, "cold_start": cold}
@@ -794,6 +798,18 @@ def markdown(results: dict[str, Any]) -> str:
                      f"{_fmt(c['first_call_s'], '.1f')} | {c['variants']} | {c['distinct_artifacts']} | "
                      f"{c['compiled_per_rank']} | {c['loaded_per_rank']} | "
                      f"{c['compiled_by_rank_per_report'][0]} | {_fmt(ro_s, '.1f')} |")
+    breakdown = [(w, c) for w, c in cold.items() if c.get("variant_seconds_per_rank")]
+    if breakdown:
+        lines += ["", "Where each rank's cold start went, s (variants: compile or load of every variant, the "
+                  "report's seconds; DecodeGemv tuning: compiling its candidates, timing them, shapes timed here):", "",
+                  "| world | rank | variants | gemv compile | gemv timing | gemv shapes timed |",
+                  "|---|---|---|---|---|---|"]
+        for w, c in breakdown:
+            tunings = c.get("gemv_tuning_per_rank") or []
+            for r, secs in enumerate(c["variant_seconds_per_rank"]):
+                g = tunings[r] if r < len(tunings) and tunings[r] else {}
+                lines.append(f"| {w[2:]} | {r} | {_fmt(secs, '.1f')} | {_fmt(g.get('compile_s'), '.1f')} | "
+                             f"{_fmt(g.get('timing_s'), '.1f')} | {g.get('shapes', '-')} |")
     lines += ["", "## Targets (issue 14)", ""]
     for k, v in s["targets"].items():
         val = v.get("value", v.get("max_rel_l2"))

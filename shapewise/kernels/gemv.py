@@ -37,7 +37,9 @@ import logging
 import marshal
 import os
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +47,8 @@ import torch.nn.functional as F
 
 from shapewise.kernels.store import MISSING, TuningStore
 
-__all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune"]
+__all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune",
+           "tuning_stats"]
 
 log = logging.getLogger("shapewise")
 
@@ -107,10 +110,14 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # M (rows) is a plain argument, not specialised on its value (Triton would otherwise compile
+    # apart for M == 1 and M == 16), and the number of K slices is the grid's: one binary per
+    # tiling, split or not, and K's evenness serves every row count, so tuning compiles ~30
+    # binaries for a model's five weights, not ~100.
+    @triton.jit(do_not_specialize=["M"])
     def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, sxm, sxk, swn, swk,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -138,7 +145,7 @@ def _kernel():
             acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
         y_ptrs = y_ptr + rm[:, None] * N + rn[None, :]
         y_ok = m_ok & (rn[None, :] < N)
-        if SPLIT_K == 1:
+        if not SPLIT:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
         else:
             tl.atomic_add(y_ptrs, acc, mask=y_ok)
@@ -146,25 +153,32 @@ def _kernel():
     return gemv_kernel
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig, *,
+            warmup: bool = False) -> torch.Tensor | None:
+    """Run ``cfg`` on (x, w, b); ``warmup=True`` only compiles its binary (nothing runs)."""
     m, k = x.shape
     n = w.shape[0]
-    if cfg.split_k == 1:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if cfg.split_k == 1 or warmup:  # a warm-up launches nothing: its output need not be zeroed
+        y = torch.empty((m, n), dtype=x.dtype if cfg.split_k == 1 else torch.float32, device=x.device)
     else:
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (_cdiv(n, cfg.block_n), cfg.split_k)
     chunk = _cdiv(k, cfg.split_k * cfg.block_k) * cfg.block_k  # each program's slice of K
-    _kernel()[grid](x, w, b if b is not None else w, y, m, n, k, chunk,
-                    x.stride(0), x.stride(1), w.stride(0), w.stride(1),
-                    HAS_BIAS=b is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                    SPLIT_K=cfg.split_k, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel = _kernel()
+    args = (x, w, b if b is not None else w, y, m, n, k, chunk, x.stride(0), x.stride(1), w.stride(0), w.stride(1))
+    meta = dict(HAS_BIAS=b is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                SPLIT=cfg.split_k > 1, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    if warmup:
+        kernel.warmup(*args, grid=grid, **meta)
+        return None
+    kernel[grid](*args, **meta)
     return y if cfg.split_k == 1 else y.to(x.dtype)
 
 
 _TUNED: dict[tuple, GemvConfig | None] = {}
 _TUNE_LOCK = threading.Lock()
+_STATS_LOCK = threading.Lock()
 
 
 def _key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
@@ -288,7 +302,39 @@ def _bench(fn) -> float:
     return do_bench(fn, warmup=5, rep=25, return_mode="median")
 
 
+def _precompile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: list[GemvConfig]) -> None:
+    """Compile every config's binary before any is timed, several at once: Triton's compile is
+    mostly native passes and ``ptxas``, which run outside the GIL, so the compiles of one shape
+    take about as long as its slowest. A config that fails here fails again when timed (skipped there)."""
+    workers = min(len(configs), _compile_threads())
+    if workers <= 1:
+        return
+
+    def compile_one(cfg: GemvConfig) -> None:
+        try:
+            with torch.cuda.device(x.device):  # Triton compiles for, and caches under, the current device
+                _launch(x, w, b, cfg, warmup=True)
+        except Exception as e:  # noqa: BLE001 - reported when the config is timed
+            log.debug("shapewise gemv: config %s did not compile for %s: %s", cfg, _key(x, w, b), e)
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="shapewise-gemv-compile") as pool:
+        list(pool.map(compile_one, configs))
+
+
+def _compile_threads() -> int:
+    """Threads for ``_precompile``: ``SHAPEWISE_GEMV_COMPILE_THREADS``, else the CPUs this
+    process may use (at most 16)."""
+    env = os.environ.get("SHAPEWISE_GEMV_COMPILE_THREADS")
+    if env:
+        return max(1, int(env))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(16, cpus))
+
+
 def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: list[GemvConfig]) -> GemvConfig | None:
+    t0 = time.perf_counter()
+    _precompile(x, w, b, configs)
+    t1 = time.perf_counter()
     best, best_ms = None, float("inf")
     for cfg in configs:
         try:
@@ -302,6 +348,7 @@ def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: lis
         linear_ms = _bench(lambda: F.linear(x, w, b))
     except Exception:
         linear_ms = float("inf")
+    _count(shapes=1, configs=len(configs), compile_s=t1 - t0, timing_s=time.perf_counter() - t1)
     if best is None:
         log.warning("shapewise gemv: no kernel config ran for rows=%d weight=%s; using F.linear",
                     x.shape[0], tuple(w.shape))
@@ -310,6 +357,22 @@ def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: lis
                  linear_ms * 1e3, best_ms * 1e3, best, x.shape[0], tuple(w.shape))
         return None
     return best
+
+
+_STATS = {"shapes": 0, "configs": 0, "compile_s": 0.0, "timing_s": 0.0}
+
+
+def _count(**add: float) -> None:
+    with _STATS_LOCK:
+        for name, value in add.items():
+            _STATS[name] += value
+
+
+def tuning_stats() -> dict[str, float]:
+    """What this process's tuning did so far: shapes timed, configs timed, seconds compiling
+    (``_precompile``'s wall time) and seconds timing. Shapes read from memory or disk count nothing."""
+    with _STATS_LOCK:
+        return dict(_STATS)
 
 
 _TIMED_CODE = (_kernel.__wrapped__, _launch, _tune)  # what ``_source_hash`` covers, bound at import
