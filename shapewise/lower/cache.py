@@ -308,19 +308,34 @@ class ArtifactCache:
         finally:
             lock.release()
 
-    def compile_or_load(self, key: str, compile_fn: Callable[[], Any],
-                        info: Mapping[str, Any]) -> tuple[Callable[..., Any], str]:
+    def compile_or_load(self, key: str, compile_fn: Callable[[], Any], info: Mapping[str, Any], *,
+                        wait: bool = True) -> tuple[Callable[..., Any], str] | None:
         """Load ``key`` or compile it with ``compile_fn`` and store it: (callable, source) with
         source ``"cache"`` or ``"compiled"``. Another process compiling the same key is waited
-        for and its result loaded."""
+        for and its result loaded; with ``wait=False`` it is not: None at once (come back later)."""
         fn = self.load(key, warn=False)  # lock-free: files only ever appear whole
         if fn is not None:
             return fn, "cache"
+        if not wait:
+            lock = self.lock(key, timeout=0)
+            try:
+                lock.acquire()
+            except Timeout:
+                return None
+            try:
+                return self._load_or_compile(key, compile_fn, info)
+            finally:
+                lock.release()
         with self.locked(key):
-            fn = self.load(key)
-            if fn is not None:
-                return fn, "cache"
-            self.misses += 1
-            artifact = compile_fn()
-            self.store(key, artifact, info)
-            return artifact, "compiled"
+            return self._load_or_compile(key, compile_fn, info)
+
+    def _load_or_compile(self, key: str, compile_fn: Callable[[], Any],
+                         info: Mapping[str, Any]) -> tuple[Callable[..., Any], str]:
+        """Under ``key``'s lock: the file (another process may have written it), else a compile, stored."""
+        fn = self.load(key)
+        if fn is not None:
+            return fn, "cache"
+        self.misses += 1
+        artifact = compile_fn()
+        self.store(key, artifact, info)
+        return artifact, "compiled"

@@ -252,8 +252,9 @@ class CompileSession:
             return self._key_locks.setdefault(key, threading.Lock())
 
     # -- compiling -------------------------------------------------------------------------
-    def compile(self, piece: Piece, variant: Variant) -> Variant:
-        """``variant`` compiled (or reused, or loaded), with its report row."""
+    def compile(self, piece: Piece, variant: Variant, *, wait: bool = True) -> Variant | None:
+        """``variant`` compiled (or reused, or loaded), with its report row. With ``wait=False``,
+        None when another process holds its cache key's lock (it is compiling it: come back later)."""
         lower = self.lower
         names = piece.shapes.names if piece.shapes else {}
         t0 = time.perf_counter()
@@ -286,7 +287,10 @@ class CompileSession:
                     elif disk:
                         info = {"piece": piece.name, "binding": variant.binding.describe(names),
                                 "backend": self.backend_id, "rank": self.rank}
-                        fn, source = self.cache.compile_or_load(key, compile_it, info)
+                        got = self.cache.compile_or_load(key, compile_it, info, wait=wait)
+                        if got is None:
+                            return None
+                        fn, source = got
                         if source == "cache" and self.world > 1:
                             compiled_by = self.cache.compiled_by(key)
                     else:
@@ -342,7 +346,15 @@ class CompileSession:
         before = dict(self.counts)
         done: dict[tuple[int, int], Variant] = {}
         with self.progress(todo) as bar:
-            for i, j in self._order(pieces):
+            later = []
+            for i, j in self._order(pieces):  # never waiting for another rank: what one holds comes later
+                v = self.compile(pieces[i], pieces[i].variants[j], wait=self.world == 1)
+                if v is None:
+                    later.append((i, j))
+                    continue
+                done[i, j] = v
+                bar.update(1)
+            for i, j in later:  # by now compiled by their holders (or being: their locks wait), loaded here
                 done[i, j] = self.compile(pieces[i], pieces[i].variants[j])
                 bar.update(1)
         out = tuple(p if p.is_splitting else dataclasses.replace(
@@ -354,17 +366,26 @@ class CompileSession:
 
     def _order(self, pieces: Sequence[Piece]) -> list[tuple[int, int]]:
         """(piece, variant) positions in compile order. Alone: in order. On ``world`` ranks of
-        torch.distributed sharing the disk cache: the distinct content keys are dealt out
-        round-robin and each rank compiles its share first, then the others' (by then in the
-        cache, or being compiled: the key's file lock waits for it), so the work is divided."""
+        torch.distributed sharing the disk cache, the work is divided and balanced: the distinct
+        content keys are dealt out round-robin, each rank takes its share first, then the others'
+        shares from their far ends (work stealing: a key nobody has started is compiled here, one
+        whose lock another rank holds is skipped, and ``compile_all`` loads it at the end)."""
         items = [(i, j) for i, p in enumerate(pieces) if not p.is_splitting for j in range(len(p.variants))]
         if self.world == 1 or self.cache is None:
             return items
         keys = {(i, j): self.variant_key(pieces[i].as_compiled_for(pieces[i].variants[j]),
                                          pieces[i].variants[j])[0] for i, j in items}
         distinct = list(dict.fromkeys(k for k in keys.values() if k is not None))
-        mine = {k for n, k in enumerate(distinct) if n % self.world == self.rank}
-        return sorted(items, key=lambda ij: keys[ij] is not None and keys[ij] not in mine)
+        owner = {k: n % self.world for n, k in enumerate(distinct)}
+        rank = {k: n for n, k in enumerate(distinct)}
+
+        def place(ij: tuple[int, int]) -> tuple[int, int]:
+            k = keys[ij]
+            if k is None or owner[k] == self.rank:
+                return (0, rank.get(k, -1))
+            return ((owner[k] - self.rank) % self.world, -rank[k])  # the next rank's share first, from its end
+
+        return sorted(items, key=place)
 
     def compile_binding(self, pieces: Iterable[Piece], binding: Binding) -> dict[str, Callable[..., Any]]:
         """Compile every compute piece's variant for ``binding``: {piece name: callable};

@@ -89,6 +89,22 @@ def test_foreign_build_is_refused(tmp_path):
         cache.read(KEY)
 
 
+def test_a_key_another_process_is_compiling_is_left_to_it_without_waiting(tmp_path):
+    # What ranks dividing the compiles rely on: wait=False never blocks on a held lock (None at
+    # once, nothing compiled), and compiles when the lock is free.
+    cache = ArtifactCache(tmp_path)
+    compiled = []
+    holder = cache.lock(KEY)  # another file handle: as another process holds it
+    holder.acquire()
+    try:
+        assert cache.compile_or_load(KEY, lambda: compiled.append("here"), {}, wait=False) is None
+    finally:
+        holder.release()
+    assert compiled == []
+    fn, source = cache.compile_or_load(KEY, lambda: compiled.append("here") or (lambda: 1), {}, wait=False)
+    assert source == "compiled" and compiled == ["here"]
+
+
 def test_writes_are_atomic_and_leave_nothing_half_written(tmp_path, monkeypatch):
     cache = ArtifactCache(tmp_path)
 
