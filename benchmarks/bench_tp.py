@@ -95,6 +95,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="full_and_piecewise: the largest size captured whole (default: shapewise's)")
     ap.add_argument("--decode-gemv", type=int, default=0, metavar="MAX_TOKENS",
                     help="add sw.passes.DecodeGemv(max_tokens=MAX_TOKENS) to shapewise (0: off, the default)")
+    ap.add_argument("--overlap", type=int, default=0, metavar="MIN_TOKENS",
+                    help="add sw.passes.OverlapAllReduce(chunks=--overlap-chunks, min_tokens=MIN_TOKENS) to shapewise "
+                         "(0: off, the default)")
+    ap.add_argument("--overlap-chunks", type=int, default=4, help="OverlapAllReduce's chunks (default 4)")
     ap.add_argument("--backend", default="inductor", help="shapewise backend (inductor; aot_eager for a fast smoke)")
     ap.add_argument("--contenders", default="shapewise,eager,reduce-overhead",
                     help="comma list (shapewise always runs: it is the cold start)")
@@ -281,8 +285,11 @@ class Rank:
 
         # 2. Cold start: shapewise, every size, one cache folder for every rank.
         mode = cudagraphs_option(a)
-        name = f"shapewise {a.sw_mode}" + (f"+DecodeGemv({a.decode_gemv})" if a.decode_gemv else "")
+        name = f"shapewise {a.sw_mode}" + (f"+DecodeGemv({a.decode_gemv})" if a.decode_gemv else "") + (
+            f"+Overlap({a.overlap_chunks}@{a.overlap})" if a.overlap else "")
         passes = [sw.passes.DecodeGemv(max_tokens=a.decode_gemv)] if a.decode_gemv else []
+        if a.overlap:
+            passes.append(sw.passes.OverlapAllReduce(chunks=a.overlap_chunks, min_tokens=a.overlap))
         row: dict[str, Any] = {"us": {}, "first_call_s": {}}
         r["contenders"][name] = row
         self.barrier()
@@ -839,7 +846,9 @@ def metadata(args: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
             "model": {"class": "shapewise.models.TPLlama", "layers": args.layers,
                       **d, "parallelism": "qkv, gate_up column-parallel; o, down row-parallel + all-reduce; "
                                           "head vocab-parallel + all-gather; embedding, norms replicated"},
-            "sw_mode": args.sw_mode, "decode_gemv": args.decode_gemv, "cudagraphs_option": cudagraphs_option(args),
+            "sw_mode": args.sw_mode, "decode_gemv": args.decode_gemv,
+            "overlap_all_reduce": {"min_tokens": args.overlap, "chunks": args.overlap_chunks} if args.overlap else None,
+            "cudagraphs_option": cudagraphs_option(args),
             "backend": args.backend,
             "contenders": args.contender_list, "tolerance": args.tol, "isolate_gpus": args.isolate,
             "timing": (f"{'CUDA events' if args.device == 'cuda' else 'perf_counter'} around each forward, "

@@ -15,6 +15,8 @@ from shapewise.passes.base import (
 )
 from shapewise.passes.decode_gemv import DecodeGemv
 from shapewise.passes.graph_pass import GraphPass, InductorPass, Sizes, VariantSizes
+from shapewise.passes.overlap import OverlapAllReduce
 
-__all__ = ["DecodeGemv", "GraphPass", "InductorPass", "Instrument", "Pass", "PassRecord", "Pipeline", "PrintAfter",
-           "Sizes", "Timing", "VariantSizes", "parse_spec", "register_pass", "register_runnable"]
+__all__ = ["DecodeGemv", "GraphPass", "InductorPass", "Instrument", "OverlapAllReduce", "Pass", "PassRecord",
+           "Pipeline", "PrintAfter", "Sizes", "Timing", "VariantSizes", "parse_spec", "register_pass",
+           "register_runnable"]

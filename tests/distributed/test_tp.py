@@ -26,10 +26,13 @@ def run_world(tmp_path: Path, *flags: str, world: int = 2) -> list[dict]:
 @pytest.mark.inductor
 def test_two_ranks_answer_as_one_and_divide_the_compiles(tmp_path):
     # Three layers: the middle layer's piece is the first's, so it reuses that piece's artifacts.
-    ranks = run_world(tmp_path, "--cache", str(tmp_path / "cache"), "--layers", "3")
+    # OverlapAllReduce chunks the row-parallel layers at 8 rows (one run covers both: CI time).
+    ranks = run_world(tmp_path, "--cache", str(tmp_path / "cache"), "--layers", "3", "--overlap")
     for r, result in enumerate(ranks):
         assert result["traces"] == 1, f"rank {r}"
         assert result["max_rel_error"] < 1e-5, f"rank {r}: {result['max_rel_error']}"
+        chunked = {row["key"] for row in result["rows"] if "overlap_all_reduce" in row["passes"]}
+        assert chunked == {"{n=8}"}, f"rank {r}: {chunked}"
     # The same content keys on both ranks: the weights are inputs, the group a name both share.
     artifacts = [{(row["piece"], row["key"]): row["artifact"] for row in result["rows"]} for result in ranks]
     assert artifacts[0] == artifacts[1]

@@ -37,15 +37,16 @@ def run(rank: int, args: argparse.Namespace) -> None:
         full = TPLlama(layers=args.layers).to(device).eval()
         part = TPLlama.shard(full, rank, args.world).to(device).eval()
         splitting = [ATTENTION_OP] + (["_c10d_functional::all_reduce"] if args.split_collectives else [])
+        passes = [sw.passes.OverlapAllReduce(chunks=3, min_tokens=8, align=2)] if args.overlap else []
         fast = sw.compile(part, sizes=SIZES, ranges=RANGES, splitting_ops=splitting, backend=args.backend,
-                          cache=args.cache or False, progress=False)
+                          cache=args.cache or False, progress=False, graph_passes=passes)
         worst = 0.0
         with torch.no_grad():
             for n in CHECK:
                 ids = torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(n)).to(device)
                 out, ref = fast(ids), full(ids)
                 worst = max(worst, float((out - ref).norm() / ref.norm()))
-        rows = [{k: v for k, v in r.items() if k in ("piece", "key", "source", "artifact", "rank")}
+        rows = [{k: v for k, v in r.items() if k in ("piece", "key", "source", "artifact", "rank", "passes")}
                 for r in fast.report()]
         Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "traces": fast.traces,
                                                                    "max_rel_error": worst}))
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2, help="3 or more: the middle layers' pieces reuse one artifact")
     ap.add_argument("--nccl", action="store_true")
     ap.add_argument("--split-collectives", action="store_true", help="split the graph at the all-reduces too")
+    ap.add_argument("--overlap", action="store_true", help="sw.passes.OverlapAllReduce at 8 rows (3 chunks)")
     args = ap.parse_args(argv)
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
