@@ -124,6 +124,8 @@ class ShapewiseModule:
         self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,
                              **pipeline_options)
         build_pipeline(**self._options)  # validates op names, backend, options before any trace
+        if backend == "inductor" and torch.cuda.is_available():
+            _compat.warm_compile_workers()
         self._on_miss = on_miss
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}

@@ -15,8 +15,24 @@ __all__ = [
     "aot_eager", "artifact_bytes", "autocast_enabled", "backward_source", "build_fingerprint", "compiled_backward",
     "compiled_source", "eager_backward", "inductor_config_fingerprint", "inference_entry", "install_kernel_binaries",
     "kernel_binaries", "load_artifact", "no_inductor_caches", "post_grad_pass", "set_grad_enabled",
-    "standalone_compile",
+    "standalone_compile", "warm_compile_workers",
 ]
+
+
+def warm_compile_workers() -> None:
+    """Start Inductor's Triton compile workers now, as ``torch.compile``'s inductor backend does on
+    its first call: their start-up (seconds: each imports torch) then overlaps the trace and
+    whatever runs before the first compile instead of delaying it. A no-op without Triton."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return
+    try:
+        maybe_warm_pool()
+    except Exception as e:  # noqa: BLE001 - an optimisation: the first compile starts them otherwise
+        import logging
+
+        logging.getLogger("shapewise").debug("shapewise: could not start Inductor's compile workers early: %s", e)
 
 
 def standalone_compile(gm: torch.fx.GraphModule, args: list[Any], *, static: bool,
