@@ -172,7 +172,8 @@ class Variant:
 
     ``gm``: this variant's own graph when graph passes rewrote it (None: the piece's graph);
     ``passes``: the ``uuid()`` of each graph pass applied, in order; ``inductor_passes``: the
-    post-grad passes Inductor runs when it compiles this variant.
+    post-grad passes Inductor runs when it compiles this variant; ``inductor_options``: the
+    Inductor config the applied graph passes need, as sorted (name, value) pairs.
     """
 
     binding: Binding
@@ -182,6 +183,7 @@ class Variant:
     gm: torch.fx.GraphModule | None = None
     passes: tuple[str, ...] = ()
     inductor_passes: tuple[Any, ...] = ()
+    inductor_options: tuple[tuple[str, Any], ...] = ()
 
     @property
     def pass_labels(self) -> list[str]:

@@ -240,9 +240,12 @@ class CompileSession:
         return hashlib.sha256("\n".join(parts).encode()).hexdigest(), disk
 
     def options(self, piece: Piece, variant: Variant) -> dict[str, Any]:
-        """The backend options of this compile: ``Lower``'s for the binding, and for a static
+        """The backend options of this compile: what the variant's graph passes need
+        (``GraphPass.inductor_options``), ``Lower``'s for the binding over them, and for a static
         Inductor variant that may go without them, ``size_asserts=False`` (see ``drop_size_asserts``)."""
         options = self.lower.options_for(variant.binding)
+        if self.lower.backend == "inductor" and variant.inductor_options:  # what graph passes need; the user's win
+            options = {**dict(variant.inductor_options), **options}
         if self.lower.backend == "inductor" and self.lower.lean and drop_size_asserts(piece, variant, options):
             options["size_asserts"] = False
         return options

@@ -76,6 +76,8 @@ class GraphPass:
 
     ``rewrite(gm, sizes)`` gets a copy of the piece's graph (its own to change) and returns the
     new graph: the same placeholders in the same order, and as many outputs.
+    ``inductor_options()``: Inductor config the rewritten graph needs, applied to the variants
+    whose graph this pass changed (the user's own options for the compile win over them).
     """
 
     name: ClassVar[str] = "graph_pass"
@@ -83,6 +85,9 @@ class GraphPass:
 
     def applies(self, sizes: Sizes) -> bool:
         return True
+
+    def inductor_options(self) -> Mapping[str, Any]:
+        return {}
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> torch.fx.GraphModule:
         raise NotImplementedError(f"{type(self).__name__}.rewrite")

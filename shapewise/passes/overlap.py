@@ -1,39 +1,49 @@
-"""``OverlapAllReduce``: a row-parallel linear layer and its all-reduce, in row chunks, so that
-the all-reduce of one chunk runs while the next chunk's matmul does.
+"""``OverlapAllReduce``: a piece's all-reduces overlapped with its compute, by running the piece
+in row chunks, pipelined.
 
-    fast = sw.compile(tp_model, sizes=[1, 16, 256, 4096],
+    fast = sw.compile(tp_model, sizes=[1, 16, 256, 4096], splitting_ops=[attention],
                       graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=1024)])
 
 In a tensor-parallel model (Megatron's split) the output projection and the MLP's down
 projection are row-parallel: each rank multiplies its slice of K, then an all-reduce sums the
-ranks' partial results. The all-reduce waits for the whole matmul, and everything after waits
-for the whole all-reduce, so the link and the multiprocessors take turns. Per (piece, static
-variant) with at least ``min_tokens`` rows, this pass rewrites
+ranks' partial results. Everything after an all-reduce waits for all of it, so the link and
+the multiprocessors take turns. Most of a transformer layer is row-wise, though: token t's
+output depends on token t's input only (linear layers, norms over the hidden dim, activations,
+residual adds, the all-reduces themselves); only attention mixes tokens, and it is a splitting
+op, outside the pieces. So at a static size of at least ``min_tokens`` rows, this pass runs the
+row-wise part of a piece that holds an all-reduce as ``chunks`` independent slices of rows, in
+pipeline order: every slice's work up to its first all-reduce, then slice 0's work up to its
+next all-reduce, slice 1's, and so on. NCCL runs the collectives on its own stream, so slice
+i's all-reduce runs while slices i+1.. compute, and only the first slice's first all-reduce is
+exposed. Inductor keeps this order (it does not move collectives; ``tests/distributed`` checks
+its output code); the slices are put back together (``torch.cat``) where the piece returns them
+or where a node that is not row-wise reads them.
 
-    y = linear(x, W)                  # x [T, K/world], or x @ W.t(), mm, addmm
-    y = wait_tensor(all_reduce(y))    # torch.distributed._functional_collectives.all_reduce
-
-into ``chunks`` slices of x's rows, each with its own matmul and all-reduce, every all-reduce
-issued before any is waited for, and the pieces put back together (``torch.cat``, which
-Inductor fuses into what reads it: the residual add). NCCL runs the collectives on its own
-stream, so chunk i's all-reduce overlaps chunk i+1's matmul and only the last chunk's is
-exposed. The answer is the same sum (each row's reduction is unchanged). Below ``min_tokens``
-the collectives are latency-bound and the matmuls small: chunking would only add launches.
-Range variants are left alone.
+What counts as row-wise (anything else ends the chunked region, which is always safe): linear
+layers (``F.linear``, ``x @ W.t()``, ``mm``, ``addmm``) of a row-split x and a weight without
+rows; pointwise ops and activations (broadcast operands without rows); reductions, softmax,
+``chunk``/``split``/``unbind`` over a dim other than 0; ``view``/``reshape`` that keep dim 0;
+dtype casts; ``_c10d_functional.all_reduce`` and ``wait_tensor``. A node's value must also have
+the row dim first. Each slice computes the same rows as before with the same ops, and the
+all-reduce sums each element across ranks as before, so answers match the unchunked piece
+(matmul tiling of a shorter M can change the last bits in low precision, as any size does).
+Below ``min_tokens`` the collectives are latency-bound and the matmuls small: chunking would
+only add launches. Range variants and pieces without an all-reduce are left alone.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import sympy
 import torch
 import torch.fx
+import torch.nn.functional as F
 
-from shapewise._compat import node_value
+from shapewise._compat import node_value, sym_expr
 from shapewise.errors import ConfigError
 from shapewise.passes.graph_pass import GraphPass, Sizes, VariantSizes
 from shapewise.passes.patterns import match_linear
@@ -42,94 +52,323 @@ __all__ = ["OverlapAllReduce"]
 
 log = logging.getLogger("shapewise")
 
+_POINTWISE_FUNCTIONS = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
+    torch.add, torch.sub, torch.mul, torch.div, torch.pow, torch.neg, torch.abs, torch.exp, torch.log,
+    torch.rsqrt, torch.sqrt, torch.tanh, torch.sigmoid, torch.relu, torch.clamp,
+    F.silu, F.gelu, F.relu, F.sigmoid, F.tanh,
+}
+_POINTWISE_METHODS = {
+    "add", "sub", "mul", "div", "pow", "neg", "abs", "exp", "log", "rsqrt", "sqrt", "tanh", "sigmoid", "relu",
+    "clamp", "float", "half", "bfloat16", "to", "type_as", "contiguous",
+}
+_REDUCTIONS = {"mean", "sum", "amax", "amin", "softmax", "log_softmax", "var"}
+_REDUCTION_FUNCTIONS = {torch.mean: "mean", torch.sum: "sum", torch.amax: "amax", torch.amin: "amin",
+                        torch.softmax: "softmax", F.softmax: "softmax", F.log_softmax: "log_softmax"}
+_SPLITS = {"chunk": 2, "split": 2, "unbind": 1, "tensor_split": 2}  # method -> position of its dim argument
+_SPLIT_FUNCTIONS = {torch.chunk: "chunk", torch.split: "split", torch.unbind: "unbind",
+                    torch.tensor_split: "tensor_split"}
+_VIEWS = {"view", "reshape"}
+
 
 def _targets(name: str) -> tuple[Any, ...]:
-    """The op as Dynamo's graph spells it (the packet) and as AOT's does (the overload)."""
+    """A c10d functional op as Dynamo's graph spells it (the packet) and as AOT's does (the overload)."""
     ops = getattr(torch.ops, "_c10d_functional", None)
     packet = getattr(ops, name, None) if ops is not None else None
     return (packet, packet.default) if packet is not None else ()
 
 
+def _tensors(value: Any) -> list[torch.Tensor] | None:
+    """The tensors of a node's value (one, or a tuple/list of them); None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    return None
+
+
+def _inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    out: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), out.append)
+    return out
+
+
+def _arg(node: torch.fx.Node, pos: int, name: str, default: Any) -> Any:
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+@dataclass
+class _Plan:
+    """Which nodes run per slice ('split'), once ('shared': no rows), or whole after a cat."""
+
+    sym: sympy.Symbol
+    sizes: list[int]
+    kind: dict[torch.fx.Node, str] = field(default_factory=dict)
+    depth: dict[torch.fx.Node, int] = field(default_factory=dict)  # all-reduces waited for on the way
+
+
 @dataclass(frozen=True)
 class OverlapAllReduce(GraphPass):
-    """``wait(all_reduce(linear(x, W)))`` with >= ``min_tokens`` rows -> ``chunks`` row slices,
-    each all-reduce overlapping the next slice's matmul."""
+    """Pieces with an all-reduce, at >= ``min_tokens`` rows, in ``chunks`` pipelined row slices."""
 
     name: ClassVar[str] = "overlap_all_reduce"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
     chunks: int = 4
     min_tokens: int = 1024
-    align: int = 64  # chunk boundaries on multiples of this many rows (matmul tiles stay whole)
+    align: int = 32  # slice sizes are multiples of this many rows
 
     def __post_init__(self) -> None:
-        for field, low in (("chunks", 2), ("min_tokens", 1), ("align", 1)):
-            value = getattr(self, field)
+        for name, low in (("chunks", 2), ("min_tokens", 1), ("align", 1)):
+            value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"OverlapAllReduce({field}={value!r}): give an int >= {low}")
+                raise ConfigError(f"OverlapAllReduce({name}={value!r}): give an int >= {low}")
 
     def applies(self, sizes: Sizes) -> bool:
         return all(isinstance(v, int) for v in sizes.values())
 
+    def inductor_options(self) -> dict[str, Any]:
+        # Inductor's reordering for peak memory would gather the slices' waits together (each
+        # slice then waits for every slice's all-reduce); the slices' order is the point here.
+        return {"reorder_for_peak_memory": False}
+
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> torch.fx.GraphModule:
         if not isinstance(sizes, VariantSizes):
             sizes = VariantSizes(sizes)
-        all_reduce, wait = _targets("all_reduce"), _targets("wait_tensor")
-        if not all_reduce:
+        plan = self.plan(gm.graph, sizes)
+        if plan is None:
             return gm
-        changed = 0
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target not in wait or not node.args:
-                continue
-            reduce = node.args[0]
-            if not (isinstance(reduce, torch.fx.Node) and reduce.target in all_reduce and len(reduce.users) == 1):
-                continue
-            linear = reduce.args[0]
-            if not (isinstance(linear, torch.fx.Node) and len(linear.users) == 1):
-                continue
-            found = match_linear(linear)
-            if found is None or not isinstance(found[0], torch.fx.Node):
-                continue
-            bounds = self._bounds(sizes.shape(found[0]))
-            if bounds is None:
-                continue
-            self._chunk(gm.graph, node, reduce, linear, found[0], bounds)
-            changed += 1
-        if changed:
-            gm.graph.lint()
-            gm.recompile()
+        gm.graph = _emit(gm.graph, plan)
+        gm.recompile()
         return gm
 
-    def _bounds(self, shape: tuple[int | None, ...] | None) -> list[int] | None:
-        """Chunk sizes along dim 0 for an x of ``shape`` at this variant, or None (too few rows,
-        a size the variant leaves open)."""
-        if not shape or len(shape) < 2 or any(d is None for d in shape):
+    # -- which nodes are row-wise ----------------------------------------------------------
+    def plan(self, graph: torch.fx.Graph, sizes: VariantSizes) -> _Plan | None:
+        """The chunking of ``graph`` at these sizes, or None (no row dim, too few rows, no
+        all-reduce among the row-wise nodes)."""
+        sym = _row_symbol(graph)
+        rows = sizes.evaluate(sym) if sym is not None else None
+        if rows is None or rows < self.min_tokens:
             return None
-        if math.prod(shape[:-1]) < self.min_tokens:
+        bounds = self._bounds(rows)
+        if bounds is None:
             return None
-        rows = shape[0]
-        step = -(-rows // self.chunks)
-        step = -(-step // self.align) * self.align
-        sizes = [min(step, rows - start) for start in range(0, rows, step)]
-        return sizes if len(sizes) >= 2 else None
+        plan = _Plan(sym, bounds)
+        wait, reduce = _targets("wait_tensor"), _targets("all_reduce")
+        if any(_writes(node) for node in graph.nodes if node.target not in wait + reduce):
+            return None  # slices run out of the old order: nothing may depend on when a write happens
+        reduces = 0
+        for node in graph.nodes:
+            kind = _classify(node, plan, wait + reduce)
+            plan.kind[node] = kind
+            if kind == "split":
+                below = [plan.depth[n] for n in _inputs(node) if plan.kind.get(n) == "split"]
+                plan.depth[node] = max(below, default=0) + (node.target in wait)
+                reduces += node.target in reduce
+        if not reduces:
+            return None
+        for node in graph.nodes:  # a node reading a tuple of slices whole (not through getitem): leave it
+            if plan.kind[node] == "whole" and any(
+                    plan.kind[n] == "split" and not isinstance(node_value(n), torch.Tensor) for n in _inputs(node)):
+                return None
+        return plan
 
-    @staticmethod
-    def _chunk(graph: torch.fx.Graph, wait_node: torch.fx.Node, reduce: torch.fx.Node, linear: torch.fx.Node,
-               x: torch.fx.Node, sizes: list[int]) -> None:
-        waits = []
-        with graph.inserting_before(linear):
-            parts = graph.call_function(torch.split, (x, sizes), {"dim": 0})
-            issued = []
-            for i in range(len(sizes)):
-                part = graph.call_function(operator.getitem, (parts, i))
-                y = graph.node_copy(linear, lambda n: part if n is x else n)
-                issued.append(graph.call_function(reduce.target, (y, *reduce.args[1:]), dict(reduce.kwargs)))
-        with graph.inserting_before(wait_node):
-            for t in issued:
-                waits.append(graph.call_function(wait_node.target, (t,), dict(wait_node.kwargs)))
-            out = graph.call_function(torch.cat, (waits,), {"dim": 0})
-        value = node_value(wait_node)
-        if value is not None:
-            out.meta["example_value"] = value
-        wait_node.replace_all_uses_with(out)
-        for dead in (wait_node, reduce, linear):
-            graph.erase_node(dead)
+    def _bounds(self, rows: int) -> list[int] | None:
+        """Slice sizes: multiples of ``align`` (the first takes any remainder), each 2 * ``align``
+        rows smaller than the one before. Distinct sizes keep Inductor from fusing the slices'
+        same-shaped kernels side by side (which would make every slice wait for every slice's
+        all-reduce, undoing the pipeline), and a short last slice shortens the tail that nothing
+        overlaps."""
+        a, c = self.align, self.chunks
+        base = rows // c // a * a
+        if base - (c - 1) * a < a:  # too few rows for distinct sizes of whole tiles: equal ones
+            per = -(-rows // c)
+            step = -(-per // a) * a
+            sizes = [min(step, rows - start) for start in range(0, rows, step)]
+            return sizes if len(sizes) >= 2 else None
+        sizes = [base + (c - 1 - 2 * i) * a for i in range(c)]
+        sizes[0] += rows - sum(sizes)
+        return sizes
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """An in-place or otherwise side-effecting node (its place in the order matters)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    overloads = getattr(node.target, "overloads", None)
+    if callable(overloads):  # an OpOverloadPacket: mutable if any overload is
+        try:
+            if any(getattr(node.target, o)._schema.is_mutable for o in overloads()):
+                return True
+        except (AttributeError, RuntimeError):
+            return True
+    return node.is_impure() and node.target is not operator.getitem
+
+
+def _row_symbol(graph: torch.fx.Graph) -> sympy.Symbol | None:
+    """The one size symbol that is dim 0 of the piece's tensor inputs (None if none or several)."""
+    found = set()
+    for node in graph.find_nodes(op="placeholder"):
+        value = node_value(node)
+        if isinstance(value, torch.Tensor) and value.dim():
+            expr = sym_expr(value.shape[0])
+            if isinstance(expr, sympy.Symbol):
+                found.add(expr)
+    return found.pop() if len(found) == 1 else None
+
+
+def _has_rows(value: Any, sym: sympy.Symbol) -> bool:
+    tensors = _tensors(value)
+    if tensors is not None:
+        return any(sym in sym_expr(d).free_symbols for t in tensors for d in t.shape)
+    if isinstance(value, torch.SymInt):
+        return sym in sym_expr(value).free_symbols
+    return False
+
+
+def _rows_first(value: Any, sym: sympy.Symbol) -> bool:
+    """Every tensor of the value has the row symbol as dim 0 and nowhere else."""
+    tensors = _tensors(value)
+    return tensors is not None and all(
+        t.dim() and sym_expr(t.shape[0]) == sym and not any(sym in sym_expr(d).free_symbols for d in t.shape[1:])
+        for t in tensors)
+
+
+def _classify(node: torch.fx.Node, plan: _Plan, collectives: tuple[Any, ...]) -> str:
+    """'split', 'shared', 'row' (the row count itself), or 'whole'."""
+    value = node_value(node)
+    if node.op == "placeholder":
+        if isinstance(value, torch.SymInt) and sym_expr(value) == plan.sym:
+            return "row"
+        if _rows_first(value, plan.sym):
+            return "split"
+        return "whole" if _has_rows(value, plan.sym) else "shared"
+    if node.op == "output":
+        return "whole"
+    kinds = [plan.kind[n] for n in _inputs(node)]
+    if "whole" in kinds:
+        return "whole"
+    if "split" not in kinds:
+        if "row" in kinds or _has_rows(value, plan.sym):
+            return "whole"
+        return "shared"
+    if node.op not in ("call_function", "call_method") or not _rows_first(value, plan.sym):
+        return "whole"
+    return "split" if _row_wise(node, plan, collectives) else "whole"
+
+
+def _row_wise(node: torch.fx.Node, plan: _Plan, collectives: tuple[Any, ...]) -> bool:
+    """Whether each output row of ``node`` is computed from the same row of its split inputs."""
+    kind = plan.kind
+    row_args = [n for n in _inputs(node) if kind[n] == "row"]
+    target, method = node.target, node.target if node.op == "call_method" else None
+    first = node.args[0] if node.args else None
+    if row_args and method not in _VIEWS and target is not torch.reshape:
+        return False
+    if target in collectives:
+        return True
+    if target is operator.getitem:
+        return isinstance(first, torch.fx.Node) and _tensors(node_value(first)) is not None and len(
+            _tensors(node_value(first))) > 1 and isinstance(node.args[1], int)
+    if node.op == "call_function" and match_linear(node) is not None:
+        x, weight, bias, _ = match_linear(node)
+        return (kind.get(x) == "split" and kind.get(weight) == "shared"
+                and (bias is None or kind.get(bias) == "shared"))
+    if not isinstance(first, torch.fx.Node) or kind.get(first) != "split":
+        return False
+    ndim = node_value(first).dim()
+    if method in _VIEWS or target is torch.reshape:
+        return True  # the value's dim 0 is the row symbol (checked): rows map to themselves
+    name = method if method in _REDUCTIONS | set(_SPLITS) else (
+        _REDUCTION_FUNCTIONS.get(target) or _SPLIT_FUNCTIONS.get(target))
+    if name in _REDUCTIONS:
+        dims = _arg(node, 1, "dim", None)
+        return dims is not None and _dims_skip_rows(dims, ndim)
+    if name in _SPLITS:
+        return _dims_skip_rows(_arg(node, _SPLITS[name], "dim", 0), ndim)
+    if target in _POINTWISE_FUNCTIONS or method in _POINTWISE_METHODS:
+        out_dim = node_value(node).dim()
+        for n in _inputs(node):
+            v = node_value(n)
+            if not isinstance(v, torch.Tensor):
+                continue
+            if kind[n] == "split" and v.dim() != out_dim:
+                return False  # rows would broadcast into another dim
+            if kind[n] == "shared" and v.dim() == out_dim and sym_expr(v.shape[0]) != 1:
+                return False
+        return True
+    return False
+
+
+def _sliced(value: Any, rows: int, sym: sympy.Symbol) -> Any:
+    """A fake value like ``value`` (a tensor or a tuple of them, the row dim first) with ``rows``
+    rows: what a slice's node carries as its ``example_value`` (AOTAutograd's cache wants one on
+    every tensor a method is called on). ``value`` itself where it cannot be made."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_sliced(v, rows, sym) for v in value)
+    mode = getattr(value, "fake_mode", None)
+    if not isinstance(value, torch.Tensor) or mode is None or any(
+            sym in sym_expr(st).free_symbols for st in value.stride()):
+        return value
+    with mode:
+        return torch.empty_strided((rows, *value.shape[1:]), value.stride(), dtype=value.dtype, device=value.device)
+
+
+def _dims_skip_rows(dims: Any, ndim: int) -> bool:
+    items = dims if isinstance(dims, (tuple, list)) else (dims,)
+    return all(isinstance(d, int) for d in items) and all(d % ndim != 0 for d in items)
+
+
+# -- the rewritten graph --------------------------------------------------------------------
+def _emit(graph: torch.fx.Graph, plan: _Plan) -> torch.fx.Graph:
+    """Placeholders, then the nodes without rows, then the split nodes slice by slice in pipeline
+    order (by all-reduces waited for, then slice, then the old order), then the cats and the
+    nodes that need whole values."""
+    new = torch.fx.Graph()
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    env: dict[torch.fx.Node, Any] = {}
+    per_chunk: list[dict[torch.fx.Node, Any]] = [{} for _ in plan.sizes]
+    split_nodes = [n for n in graph.nodes if plan.kind[n] == "split" and n.op != "placeholder"]
+    for node in graph.find_nodes(op="placeholder"):
+        env[node] = new.node_copy(node, lambda n: env[n])
+    for node in graph.find_nodes(op="placeholder"):
+        if plan.kind[node] == "row":
+            for i, size in enumerate(plan.sizes):
+                per_chunk[i][node] = size
+        elif plan.kind[node] == "split":
+            value = node_value(node)
+            parts = new.call_function(torch.split, (env[node], list(plan.sizes)), {"dim": 0})
+            parts.meta["example_value"] = tuple(_sliced(value, size, plan.sym) for size in plan.sizes)
+            for i, size in enumerate(plan.sizes):
+                per_chunk[i][node] = new.call_function(operator.getitem, (parts, i))
+                per_chunk[i][node].meta["example_value"] = _sliced(value, size, plan.sym)
+    for node in graph.nodes:
+        if plan.kind[node] == "shared" and node.op != "placeholder":
+            env[node] = new.node_copy(node, lambda n: env[n])
+    for node, i in sorted(((n, i) for n in split_nodes for i in range(len(plan.sizes))),
+                          key=lambda ni: (plan.depth[ni[0]], ni[1], order[ni[0]])):
+        copy = new.node_copy(node, lambda n, i=i: per_chunk[i][n] if n in per_chunk[i] else env[n])
+        copy.meta.pop("val", None)
+        copy.meta["example_value"] = _sliced(node_value(node), plan.sizes[i], plan.sym)
+        per_chunk[i][node] = copy
+
+    def whole(n: torch.fx.Node) -> Any:
+        if n not in env:  # a split value read whole: its slices, back together
+            env[n] = new.call_function(torch.cat, ([per_chunk[i][n] for i in range(len(plan.sizes))],), {"dim": 0})
+            value = node_value(n)
+            if value is not None:
+                env[n].meta["example_value"] = value
+        return env[n]
+
+    for node in graph.nodes:
+        if plan.kind[node] in ("whole",) or node.op == "output":
+            env[node] = new.node_copy(node, whole)
+    new.lint()
+    return new
+

@@ -94,16 +94,19 @@ class Rewrite(Pass):
             return variant
         gm = variant.gm if variant.gm is not None else piece.gm
         applied = list(variant.passes)
+        options = dict(variant.inductor_options)
         for p in graph_passes:
             out = self._run(p, piece, gm, sizes)
             if out.code != gm.code:  # a pass that found nothing to change leaves the graph shared
                 gm = out
                 applied.append(p.uuid())
+                options.update(p.inductor_options())
         changed = len(applied) > len(variant.passes)
         if not changed and not inductor:
             return variant
         return dataclasses.replace(variant, gm=gm if changed else variant.gm, passes=tuple(applied),
-                                   inductor_passes=(*variant.inductor_passes, *inductor))
+                                   inductor_passes=(*variant.inductor_passes, *inductor),
+                                   inductor_options=tuple(sorted(options.items())))
 
     @staticmethod
     def _applies(p: GraphPass | InductorPass, piece: Piece, sizes: dict[str, Any]) -> bool:

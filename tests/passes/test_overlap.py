@@ -40,11 +40,31 @@ class RowParallel(nn.Module):
         return h + funcol.all_reduce(h @ self.o.t(), "sum", dist.group.WORLD)
 
 
-def _collectives(fast, n: int) -> int:
+def _code(fast, n: int) -> str:
     (piece,) = fast.program.compute_pieces
     variant = next(v for v in piece.variants if v.binding.key == (n,))
-    gm = variant.gm if variant.gm is not None else piece.gm
-    return gm.code.count("_c10d_functional.all_reduce(")
+    return (variant.gm if variant.gm is not None else piece.gm).code
+
+
+def _collectives(fast, n: int) -> int:
+    return _code(fast, n).count("_c10d_functional.all_reduce(")
+
+
+class Mixed(nn.Module):
+    """Row-wise up to the first all-reduce, then a cumulative sum over the rows (not row-wise:
+    the slices must be put back together before it), then row-wise again."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, dim, bias=False)
+        self.b = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        h = x + funcol.all_reduce(self.a(x).relu(), "sum", dist.group.WORLD)
+        h = torch.cumsum(h, 0) / 8
+        return funcol.all_reduce(self.b(h), "sum", dist.group.WORLD).softmax(-1)
 
 
 def test_chunks_above_min_tokens_and_answers_the_same(one_rank):
@@ -61,6 +81,36 @@ def test_chunks_above_min_tokens_and_answers_the_same(one_rank):
     assert _collectives(fast, 200) == 8 and _collectives(fast, 64) == 8 and _collectives(fast, 4) == 2
     labels = {row["key"]: row["passes"] for row in fast.report()}
     assert "overlap_all_reduce" in labels["{n=200}"] and not labels["{n=4}"] and not labels["{n=5..63}"]
+
+
+def test_slices_are_pipelined_each_waits_for_its_own_all_reduce_only(one_rank):
+    # Pipeline order: every slice's first all-reduce is issued before any slice waits; slice 0's
+    # second-stage work (and its second all-reduce) comes before slice 1 waits for its first.
+    model = RowParallel().eval()
+    fast = sw.compile(model, sizes=[64], backend="aot_eager", progress=False,
+                      graph_passes=[sw.passes.OverlapAllReduce(chunks=2, min_tokens=64, align=16)])
+    with torch.no_grad():
+        x = torch.randn(64, 32)
+        assert_same(fast(x), model(x), "n=64")
+    lines = [ln.strip() for ln in _code(fast, 64).splitlines()]
+    reduces = [i for i, ln in enumerate(lines) if "_c10d_functional.all_reduce(" in ln]
+    waits = [i for i, ln in enumerate(lines) if "_c10d_functional.wait_tensor(" in ln]
+    assert len(reduces) == 4 and len(waits) == 4
+    assert reduces[1] < waits[0]          # both first-stage all-reduces issued before any wait
+    assert waits[0] < reduces[2] < waits[1]  # slice 0's second all-reduce before slice 1's first wait
+
+
+def test_a_node_that_mixes_rows_ends_the_chunked_region(one_rank):
+    torch.manual_seed(0)
+    model = Mixed().eval()
+    fast = sw.compile(model, sizes=[64], backend="aot_eager", progress=False,
+                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16)])
+    with torch.no_grad():
+        x = torch.randn(64, 32)
+        assert_same(fast(x), model(x), "n=64")
+    code = _code(fast, 64)
+    # The first all-reduce in slices, the cumsum on the whole (after a cat), the rest whole too.
+    assert code.count("_c10d_functional.all_reduce(") == 5 and "torch.cat" in code
 
 
 def test_bad_options_are_refused():
