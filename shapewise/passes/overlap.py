@@ -175,21 +175,21 @@ class OverlapAllReduce(GraphPass):
         return plan
 
     def _bounds(self, rows: int) -> list[int] | None:
-        """Slice sizes: multiples of ``align`` (the first takes any remainder), each 2 * ``align``
-        rows smaller than the one before. Distinct sizes keep Inductor from fusing the slices'
-        same-shaped kernels side by side (which would make every slice wait for every slice's
-        all-reduce, undoing the pipeline), and a short last slice shortens the tail that nothing
-        overlaps."""
-        a, c = self.align, self.chunks
-        base = rows // c // a * a
-        if base - (c - 1) * a < a:  # too few rows for distinct sizes of whole tiles: equal ones
-            per = -(-rows // c)
-            step = -(-per // a) * a
-            sizes = [min(step, rows - start) for start in range(0, rows, step)]
-            return sizes if len(sizes) >= 2 else None
-        sizes = [base + (c - 1 - 2 * i) * a for i in range(c)]
-        sizes[0] += rows - sum(sizes)
-        return sizes
+        """Slice sizes, multiples of ``align`` (the first takes any remainder), in steps of 2h
+        rows down (h: ``align``, or about a sixteenth of a slice when that is more): distinct
+        sizes keep Inductor from fusing the slices' same-shaped kernels side by side (which would
+        make every slice wait for every slice's all-reduce, undoing the pipeline), and a short
+        last slice shortens the tail that nothing overlaps. Fewer slices than ``chunks`` where
+        the smallest would be under half the mean; None where even two cannot be made."""
+        a = self.align
+        for c in range(self.chunks, 1, -1):
+            base = rows // c // a * a
+            h = a * max(1, base // (16 * a))
+            if base - (c - 1) * h >= max(a, base // 2):
+                sizes = [base + (c - 1 - 2 * i) * h for i in range(c)]
+                sizes[0] += rows - sum(sizes)
+                return sizes
+        return None
 
 
 def _writes(node: torch.fx.Node) -> bool:
