@@ -117,7 +117,7 @@ class OverlapAllReduce(GraphPass):
     version: ClassVar[int] = 2
     chunks: int = 4
     min_tokens: int = 1024
-    align: int = 32  # slice sizes are multiples of this many rows
+    align: int = 256  # slice sizes are multiples of this many rows
 
     def __post_init__(self) -> None:
         for name, low in (("chunks", 2), ("min_tokens", 1), ("align", 1)):
@@ -129,9 +129,11 @@ class OverlapAllReduce(GraphPass):
         return all(isinstance(v, int) for v in sizes.values())
 
     def inductor_options(self) -> dict[str, Any]:
-        # Inductor's reordering for peak memory would gather the slices' waits together (each
-        # slice then waits for every slice's all-reduce); the slices' order is the point here.
-        return {"reorder_for_peak_memory": False}
+        # Inductor's reordering for peak memory would gather the slices' waits together, and so
+        # would its side-by-side fusion of two slices' same-shaped kernels (they share a read of
+        # a norm's weight, a few KiB): each slice would then wait for every slice's all-reduce.
+        # Fusions along a slice share whole activations (MiBs at these sizes) and still happen.
+        return {"reorder_for_peak_memory": False, "score_fusion_memory_threshold": 2**20}
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> torch.fx.GraphModule:
         if not isinstance(sizes, VariantSizes):
@@ -175,20 +177,15 @@ class OverlapAllReduce(GraphPass):
         return plan
 
     def _bounds(self, rows: int) -> list[int] | None:
-        """Slice sizes, multiples of ``align`` (the first takes any remainder), in steps of 2h
-        rows down (h: ``align``, or about a sixteenth of a slice when that is more): distinct
-        sizes keep Inductor from fusing the slices' same-shaped kernels side by side (which would
-        make every slice wait for every slice's all-reduce, undoing the pipeline), and a short
-        last slice shortens the tail that nothing overlaps. Fewer slices than ``chunks`` where
-        the smallest would be under half the mean; None where even two cannot be made."""
+        """Slice sizes: ``chunks`` equal multiples of ``align`` rows (whole matmul tiles: a
+        slice of 1088 rows runs its 256-row tiles 15% empty), the last taking the remainder;
+        fewer slices where a slice would be under ``align`` rows; None where even two cannot be
+        made."""
         a = self.align
         for c in range(self.chunks, 1, -1):
-            base = rows // c // a * a
-            h = a * max(1, base // (16 * a))
-            if base - (c - 1) * h >= max(a, base // 2):
-                sizes = [base + (c - 1 - 2 * i) * h for i in range(c)]
-                sizes[0] += rows - sum(sizes)
-                return sizes
+            step = rows // c // a * a
+            if step >= a:
+                return [step] * (c - 1) + [rows - step * (c - 1)]
         return None
 
 

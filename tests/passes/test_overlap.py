@@ -77,9 +77,9 @@ def test_chunks_above_min_tokens_and_answers_the_same(one_rank):
         for n in [*sizes, 9, 40]:
             x = torch.randn(n, 32)
             assert_same(fast(x), model(x), f"n={n}")
-    # 200 rows: slices of 104, 64, 32; 64 rows: 48 and 16; 4 rows and the range: untouched.
-    assert sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16)._bounds(200) == [104, 64, 32]
-    assert _collectives(fast, 200) == 6 and _collectives(fast, 64) == 4 and _collectives(fast, 4) == 2
+    # 200 rows: slices of 48, 48, 48, 56; 64 rows: four of 16; 4 rows and the range: untouched.
+    assert sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16)._bounds(200) == [48, 48, 48, 56]
+    assert _collectives(fast, 200) == 8 and _collectives(fast, 64) == 8 and _collectives(fast, 4) == 2
     labels = {row["key"]: row["passes"] for row in fast.report()}
     assert "overlap_all_reduce" in labels["{n=200}"] and not labels["{n=4}"] and not labels["{n=5..63}"]
 
@@ -110,18 +110,20 @@ def test_a_node_that_mixes_rows_ends_the_chunked_region(one_rank):
         x = torch.randn(64, 32)
         assert_same(fast(x), model(x), "n=64")
     code = _code(fast, 64)
-    # The first all-reduce in two slices (48 and 16 rows), the cumsum on the whole (after a
-    # cat), the rest whole too.
-    assert code.count("_c10d_functional.all_reduce(") == 3 and "torch.cat" in code
+    # The first all-reduce in four slices of 16 rows, the cumsum on the whole (after a cat), the
+    # rest whole too.
+    assert code.count("_c10d_functional.all_reduce(") == 5 and "torch.cat" in code
 
 
 def test_slice_sizes():
-    bounds = sw.passes.OverlapAllReduce(chunks=4, align=32)._bounds
-    assert bounds(4096) == [1216, 1088, 960, 832]  # distinct, shrinking, whole multiples of 32
-    assert bounds(512) == [256, 160, 96]  # four would leave a slice under half the mean
-    for rows in range(64, 5000, 37):
+    bounds = sw.passes.OverlapAllReduce(chunks=4, align=256)._bounds
+    assert bounds(4096) == [1024] * 4  # whole 256-row matmul tiles
+    assert bounds(1000) == [256, 256, 488]  # three slices: four would be under 256 rows
+    assert bounds(600) == [256, 344]
+    assert bounds(300) is None
+    for rows in range(512, 9000, 37):
         sizes = bounds(rows)
-        assert sizes is None or (sum(sizes) == rows and len(set(sizes)) == len(sizes) > 1), (rows, sizes)
+        assert sum(sizes) == rows and len(sizes) > 1 and all(s % 256 == 0 for s in sizes[:-1]), (rows, sizes)
 
 
 def test_bad_options_are_refused():
