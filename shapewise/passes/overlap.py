@@ -2,7 +2,7 @@
 in row chunks, pipelined.
 
     fast = sw.compile(tp_model, sizes=[1, 16, 256, 4096], splitting_ops=[attention],
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=1024)])
+                      graph_passes=[sw.passes.OverlapAllReduce()])   # chunks=4, min_tokens=2048
 
 In a tensor-parallel model (Megatron's split) the output projection and the MLP's down
 projection are row-parallel: each rank multiplies its slice of K, then an all-reduce sums the
@@ -27,8 +27,13 @@ dtype casts; ``_c10d_functional.all_reduce`` and ``wait_tensor``. A node's value
 the row dim first. Each slice computes the same rows as before with the same ops, and the
 all-reduce sums each element across ranks as before, so answers match the unchunked piece
 (matmul tiling of a shorter M can change the last bits in low precision, as any size does).
-Below ``min_tokens`` the collectives are latency-bound and the matmuls small: chunking would
-only add launches. Range variants and pieces without an all-reduce are left alone.
+
+Slices are equal multiples of ``align`` (256) rows of at least ``min_slice`` (1024): what the
+slices cost where there is nothing to overlap (one H200, a one-rank group, the Llama-7B stack's
+TP=2 shapes; ``benchmarks/results/overlap_h200``) is 2% of a forward at 4096 tokens in two
+slices and 5% in four, but 8% and 25% at 1024 tokens, and slices of odd sizes (1088 rows) cost
+the matmuls up to 19% in empty tiles. Below ``min_tokens`` (2048) the collectives are short and
+the slices' price is not won back. Range variants and pieces without an all-reduce are left alone.
 """
 
 from __future__ import annotations
@@ -116,11 +121,12 @@ class OverlapAllReduce(GraphPass):
     name: ClassVar[str] = "overlap_all_reduce"
     version: ClassVar[int] = 2
     chunks: int = 4
-    min_tokens: int = 1024
+    min_tokens: int = 2048
     align: int = 256  # slice sizes are multiples of this many rows
+    min_slice: int = 1024  # rows
 
     def __post_init__(self) -> None:
-        for name, low in (("chunks", 2), ("min_tokens", 1), ("align", 1)):
+        for name, low in (("chunks", 2), ("min_tokens", 1), ("align", 1), ("min_slice", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"OverlapAllReduce({name}={value!r}): give an int >= {low}")
@@ -177,14 +183,14 @@ class OverlapAllReduce(GraphPass):
         return plan
 
     def _bounds(self, rows: int) -> list[int] | None:
-        """Slice sizes: ``chunks`` equal multiples of ``align`` rows (whole matmul tiles: a
-        slice of 1088 rows runs its 256-row tiles 15% empty), the last taking the remainder;
-        fewer slices where a slice would be under ``align`` rows; None where even two cannot be
-        made."""
+        """Slice sizes: up to ``chunks`` equal multiples of ``align`` rows (whole matmul tiles:
+        a slice of 1088 rows runs its 256-row tiles 15% empty), each at least ``min_slice`` rows
+        (smaller matmuls lose more to their launch and tail than the overlap wins back), the
+        last taking the remainder; None where two such slices do not fit."""
         a = self.align
         for c in range(self.chunks, 1, -1):
             step = rows // c // a * a
-            if step >= a:
+            if step >= max(a, self.min_slice):
                 return [step] * (c - 1) + [rows - step * (c - 1)]
         return None
 

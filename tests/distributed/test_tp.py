@@ -33,7 +33,7 @@ def test_two_ranks_answer_as_one_and_divide_the_compiles(tmp_path):
         assert result["max_rel_error"] < 1e-5, f"rank {r}: {result['max_rel_error']}"
         chunked = {row["key"] for row in result["rows"] if "overlap_all_reduce" in row["passes"]}
         assert chunked == {"{n=8}"}, f"rank {r}: {chunked}"
-    # Inductor kept the pipeline (slices of 6 and 2 rows): both first all-reduces issued, then
+    # Inductor kept the pipeline (two slices of 4 rows): both first all-reduces issued, then
     # slice 0 waits for its own and issues its second before slice 1 waits for its first.
     orders = [o for result in ranks for o in result["collective_order"].values() if o]
     assert orders and all(o == "RRWRWRWW" for o in orders), orders

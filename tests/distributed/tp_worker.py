@@ -37,7 +37,7 @@ def run(rank: int, args: argparse.Namespace) -> None:
         full = TPLlama(layers=args.layers).to(device).eval()
         part = TPLlama.shard(full, rank, args.world).to(device).eval()
         splitting = [ATTENTION_OP] + (["_c10d_functional::all_reduce"] if args.split_collectives else [])
-        passes = [sw.passes.OverlapAllReduce(chunks=2, min_tokens=8, align=2)] if args.overlap else []
+        passes = [sw.passes.OverlapAllReduce(chunks=2, min_tokens=8, align=2, min_slice=2)] if args.overlap else []
         fast = sw.compile(part, sizes=SIZES, ranges=RANGES, splitting_ops=splitting, backend=args.backend,
                           cache=args.cache or False, progress=False, graph_passes=passes)
         worst = 0.0
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2, help="3 or more: the middle layers' pieces reuse one artifact")
     ap.add_argument("--nccl", action="store_true")
     ap.add_argument("--split-collectives", action="store_true", help="split the graph at the all-reduces too")
-    ap.add_argument("--overlap", action="store_true", help="sw.passes.OverlapAllReduce at 8 rows (slices of 6 and 2)")
+    ap.add_argument("--overlap", action="store_true", help="sw.passes.OverlapAllReduce at 8 rows (two slices of 4)")
     args = ap.parse_args(argv)
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))

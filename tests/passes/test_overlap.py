@@ -72,13 +72,13 @@ def test_chunks_above_min_tokens_and_answers_the_same(one_rank):
     model = RowParallel().eval()
     sizes = [4, 64, 200]
     fast = sw.compile(model, sizes=sizes, ranges=[(5, 63)], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16)])
+                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)])
     with torch.no_grad():
         for n in [*sizes, 9, 40]:
             x = torch.randn(n, 32)
             assert_same(fast(x), model(x), f"n={n}")
     # 200 rows: slices of 48, 48, 48, 56; 64 rows: four of 16; 4 rows and the range: untouched.
-    assert sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16)._bounds(200) == [48, 48, 48, 56]
+    assert sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)._bounds(200) == [48, 48, 48, 56]
     assert _collectives(fast, 200) == 8 and _collectives(fast, 64) == 8 and _collectives(fast, 4) == 2
     labels = {row["key"]: row["passes"] for row in fast.report()}
     assert "overlap_all_reduce" in labels["{n=200}"] and not labels["{n=4}"] and not labels["{n=5..63}"]
@@ -89,7 +89,7 @@ def test_slices_are_pipelined_each_waits_for_its_own_all_reduce_only(one_rank):
     # second-stage work (and its second all-reduce) comes before slice 1 waits for its first.
     model = RowParallel().eval()
     fast = sw.compile(model, sizes=[64], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=2, min_tokens=64, align=16)])
+                      graph_passes=[sw.passes.OverlapAllReduce(chunks=2, min_tokens=64, align=16, min_slice=16)])
     with torch.no_grad():
         x = torch.randn(64, 32)
         assert_same(fast(x), model(x), "n=64")
@@ -105,7 +105,7 @@ def test_a_node_that_mixes_rows_ends_the_chunked_region(one_rank):
     torch.manual_seed(0)
     model = Mixed().eval()
     fast = sw.compile(model, sizes=[64], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16)])
+                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)])
     with torch.no_grad():
         x = torch.randn(64, 32)
         assert_same(fast(x), model(x), "n=64")
@@ -116,7 +116,7 @@ def test_a_node_that_mixes_rows_ends_the_chunked_region(one_rank):
 
 
 def test_slice_sizes():
-    bounds = sw.passes.OverlapAllReduce(chunks=4, align=256)._bounds
+    bounds = sw.passes.OverlapAllReduce(chunks=4, align=256, min_slice=256)._bounds
     assert bounds(4096) == [1024] * 4  # whole 256-row matmul tiles
     assert bounds(1000) == [256, 256, 488]  # three slices: four would be under 256 rows
     assert bounds(600) == [256, 344]
@@ -124,6 +124,12 @@ def test_slice_sizes():
     for rows in range(512, 9000, 37):
         sizes = bounds(rows)
         assert sum(sizes) == rows and len(sizes) > 1 and all(s % 256 == 0 for s in sizes[:-1]), (rows, sizes)
+
+
+def test_slices_are_never_under_min_slice():
+    bounds = sw.passes.OverlapAllReduce()._bounds  # chunks=4, align=256, min_slice=1024
+    assert bounds(4096) == [1024] * 4 and bounds(2048) == [1024, 1024] and bounds(3000) == [1280, 1720]
+    assert bounds(2047) is None
 
 
 def test_bad_options_are_refused():
