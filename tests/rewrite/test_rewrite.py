@@ -113,6 +113,33 @@ def test_content_keys_tell_rewritten_variants_apart():
     assert len(keys) == 3  # a pass, even one that changed nothing, never shares an artifact without it
 
 
+@dataclass(frozen=True)
+class NeedsOptions(ReluToClamp):
+    """A rewrite whose graph asks Inductor for some config."""
+
+    name: ClassVar[str] = "needs_options"
+
+    def inductor_options(self):
+        return {"size_asserts": True, "max_autotune": False}
+
+
+def test_a_pass_s_inductor_options_apply_where_it_rewrote_under_the_user_s_own():
+    w = torch.randn(16, 16)
+    gm = dynamo_graph(model, torch.randn(4, 16), w)
+    program = sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[2, 4]),
+                           sw.Rewrite(passes=[NeedsOptions(limit=2)])])(gm)
+    piece = program.compute_pieces[-1]
+    at2, at4 = piece.variants
+    assert dict(at2.inductor_options) == {"size_asserts": True, "max_autotune": False} and not at4.inductor_options
+    session = Lower(static_options={"max_autotune": True}).session()
+    assert session.options(piece.as_compiled_for(at2), at2) == {"size_asserts": True, "max_autotune": True}
+    assert "size_asserts" not in session.options(piece, at4) or session.options(piece, at4)["size_asserts"] is False
+    # The options are part of the variant's content key.
+    plain = type(at2)(at2.binding, at2.example_args, gm=at2.gm, passes=at2.passes)
+    assert session.variant_key(piece.as_compiled_for(at2), at2)[0] != \
+        session.variant_key(piece.as_compiled_for(plain), plain)[0]
+
+
 @pytest.mark.parametrize("bad, fragment", [
     (lambda gm, sizes: 1 / 0, "raised ZeroDivisionError"),
     (lambda gm, sizes: None, "returned NoneType"),
