@@ -84,16 +84,22 @@ def test_chunks_above_min_tokens_and_answers_the_same(one_rank):
     assert "overlap_all_reduce" in labels["{n=200}"] and not labels["{n=4}"] and not labels["{n=5..63}"]
 
 
-def test_slices_are_pipelined_each_waits_for_its_own_all_reduce_only(one_rank):
-    # Pipeline order: every slice's first all-reduce is issued before any slice waits; slice 0's
-    # second-stage work (and its second all-reduce) comes before slice 1 waits for its first.
-    model = RowParallel().eval()
-    fast = sw.compile(model, sizes=[64], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=2, min_tokens=64, align=16, min_slice=16)])
+def _sliced_at_64(model: nn.Module, chunks: int) -> str:
+    """``model`` compiled at 64 rows with the pass (``chunks`` slices of 16 or more rows),
+    checked against eager: the rewritten graph's code."""
+    torch.manual_seed(0)
+    fast = sw.compile(model.eval(), sizes=[64], backend="aot_eager", progress=False,
+                      graph_passes=[sw.passes.OverlapAllReduce(chunks=chunks, min_tokens=64, align=16, min_slice=16)])
     with torch.no_grad():
         x = torch.randn(64, 32)
         assert_same(fast(x), model(x), "n=64")
-    lines = [ln.strip() for ln in _code(fast, 64).splitlines()]
+    return _code(fast, 64)
+
+
+def test_slices_are_pipelined_each_waits_for_its_own_all_reduce_only(one_rank):
+    # Pipeline order: every slice's first all-reduce is issued before any slice waits; slice 0's
+    # second-stage work (and its second all-reduce) comes before slice 1 waits for its first.
+    lines = [ln.strip() for ln in _sliced_at_64(RowParallel(), chunks=2).splitlines()]
     reduces = [i for i, ln in enumerate(lines) if "_c10d_functional.all_reduce(" in ln]
     waits = [i for i, ln in enumerate(lines) if "_c10d_functional.wait_tensor(" in ln]
     assert len(reduces) == 4 and len(waits) == 4
@@ -102,14 +108,7 @@ def test_slices_are_pipelined_each_waits_for_its_own_all_reduce_only(one_rank):
 
 
 def test_a_node_that_mixes_rows_ends_the_chunked_region(one_rank):
-    torch.manual_seed(0)
-    model = Mixed().eval()
-    fast = sw.compile(model, sizes=[64], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)])
-    with torch.no_grad():
-        x = torch.randn(64, 32)
-        assert_same(fast(x), model(x), "n=64")
-    code = _code(fast, 64)
+    code = _sliced_at_64(Mixed(), chunks=4)
     # The first all-reduce in four slices of 16 rows, the cumsum on the whole (after a cat), the
     # rest whole too.
     assert code.count("_c10d_functional.all_reduce(") == 5 and "torch.cat" in code
