@@ -33,7 +33,10 @@ slices cost where there is nothing to overlap (one H200, a one-rank group, the L
 TP=2 shapes; ``benchmarks/results/overlap_h200``) is 2% of a forward at 4096 tokens in two
 slices and 5% in four, but 8% and 25% at 1024 tokens, and slices of odd sizes (1088 rows) cost
 the matmuls up to 19% in empty tiles. Below ``min_tokens`` (2048) the collectives are short and
-the slices' price is not won back. Range variants and pieces without an all-reduce are left alone.
+the slices' price is not won back. Range variants and pieces without an all-reduce are left
+alone, and so are pieces whose tokens are not dim 0 of their inputs (``[batch, seq, hidden]``
+with a static batch: flatten the tokens, as vLLM's and ``TPLlama``'s ``[tokens, hidden]`` do)
+and pieces with in-place ops (the slices run out of the old order).
 """
 
 from __future__ import annotations
