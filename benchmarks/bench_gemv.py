@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hardware import cuda_median_us  # noqa: E402
+
 from shapewise.kernels.gemv import gemv_config  # noqa: E402  (also registers shapewise::gemv)
 
 SHAPES = [(4096, 4096), (4096, 11008), (12288, 4096), (22016, 4096)]  # [N, K]: o, down, qkv, gate_up
@@ -49,16 +51,12 @@ def time_calls(fn, xs, ws, repeats: int, replays: int = 20) -> float:
             fn(x, w)
     graph.replay()
     torch.cuda.synchronize()
-    rounds = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def replay_round() -> None:
         for _ in range(replays):
             graph.replay()
-        end.record()
-        end.synchronize()
-        rounds.append(start.elapsed_time(end) * 1e3 / (replays * len(ws)))
-    return statistics.median(rounds)
+
+    return cuda_median_us(replay_round, repeats, replays * len(ws))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -20,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hardware import cuda_median_us  # noqa: E402
+
 import shapewise as sw  # noqa: E402
 from shapewise.models import ATTENTION_OP, TPLlama  # noqa: E402
 
@@ -28,16 +30,12 @@ def time_forward(fn, x, rounds: int = 5, iters: int = 20) -> float:
     for _ in range(5):
         fn(x)
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def forwards() -> None:
         for _ in range(iters):
             fn(x)
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(samples)
+
+    return cuda_median_us(forwards, rounds, iters)
 
 
 def main() -> None:
