@@ -146,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     contenders["torch.compile dynamic=False"] = compiled()
     fast = shapewise()
     contenders["shapewise static"] = fast
+    contenders["shapewise static, direct_call"] = shapewise(direct_call=True)
     if args.no_lean:
         contenders["shapewise static, lean=False"] = shapewise(lean=False)
     if device == "cuda":
         contenders["torch.compile reduce-overhead"] = compiled(mode="reduce-overhead")
         contenders["shapewise cudagraphs=full"] = shapewise(cudagraphs="full")
         contenders["shapewise cudagraphs=piecewise"] = shapewise(cudagraphs="piecewise")
+        contenders["shapewise cudagraphs=full, direct_call"] = shapewise(cudagraphs="full", direct_call=True)
+        contenders["shapewise cudagraphs=piecewise, direct_call"] = shapewise(cudagraphs="piecewise",
+                                                                            direct_call=True)
         # The same weights, attention writing into a buffer the graph before it allocates (no copy
         # of its output into the next graph's static input).
         out_model = Stack(args.layers, args.dim, heads=max(1, args.dim // 64), hidden=args.dim * 2, max_tokens=64,
@@ -182,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
 
             copies[name] = {t: sum(len(p.copy_slots) for p in graphed_pieces(program) if p.key == (t,))
                             for t in tokens}
+    direct = {name: {"info": fn.direct_info, "direct_calls": fn._direct.calls if fn._direct else 0,
+                     "fell_back": fn._direct.misses if fn._direct else None}
+              for name, fn in contenders.items() if "direct_call" in name}
     base = "torch.compile dynamic=False"
     results = {n: {t: {"median_us": statistics.median(v), "min_us": min(v),
                        "vs_dynamic_false": statistics.median(v) / statistics.median(times[base][t])}
@@ -194,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"env": env, "results": results, "breakdown": parts,
-                                                  "copies_per_call": copies, "rel_errors": errors},
+                                                  "copies_per_call": copies, "rel_errors": errors,
+                                                  "direct_call": direct},
                                                  indent=2, default=str))
     lines = [f"# Host time per call: {env['model']} on {env['device']} ({device}, torch {env['torch']})", "",
              f"Median (min) µs per call over {args.rounds} interleaved rounds of {args.calls} calls; "
@@ -212,6 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "Inputs copied into CUDA graphs' static buffers per call (the caller's input, splitting-op "
                   "outputs):", ""]
         lines += [f"- {name}: " + ", ".join(f"{c} at {t}" for t, c in per.items()) for name, per in copies.items()]
+    if direct:
+        lines += ["", "direct_call contenders (calls served past Dynamo's frame, calls that fell back to it):", ""]
+        lines += [f"- {name}: {d['info']}, {d['direct_calls']} direct, {d['fell_back']} fell back"
+                  for name, d in direct.items()]
+    piecewise = [("shapewise cudagraphs=piecewise", "shapewise cudagraphs=full"),
+                 ("shapewise cudagraphs=piecewise, direct_call", "shapewise cudagraphs=full, direct_call")]
+    if all(a in results and b in results for a, b in piecewise):
+        lines += ["", "Piecewise over full graph host time (median): " + "; ".join(
+            f"{a.removeprefix('shapewise cudagraphs=')}: " + ", ".join(
+                f"{results[a][t]['median_us'] / results[b][t]['median_us']:.2f}x at {t}" for t in tokens)
+            for a, b in piecewise)]
     worst = max(errors.values())
     lines += ["", f"Largest relative error against eager over all contenders and sizes: {worst:.2e}."]
     (out / "results.md").write_text("\n".join(lines) + "\n")

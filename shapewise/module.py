@@ -16,6 +16,7 @@ import torch
 from shapewise import _compat
 from shapewise.backend import _PIPELINE_KEYS, DEFAULT_DIM_NAME, _op_list, build_pipeline, shapewise_backend
 from shapewise.concretize import check_sizes, make_bindings, refusal
+from shapewise.direct import MISS, DirectCall, build_direct_call
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
@@ -94,11 +95,12 @@ class ShapewiseModule:
 
     def __init__(self, model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (),
                  splitting_ops: Sequence[Any] = (), dynamic_dims: Mapping[str, Any] | None = None,
-                 backend: Any = "inductor", on_miss: str = "error", **pipeline_options: Any) -> None:
+                 backend: Any = "inductor", on_miss: str = "error", direct_call: bool = False,
+                 **pipeline_options: Any) -> None:
         unknown = set(pipeline_options) - _PIPELINE_KEYS
         if unknown:
             raise ConfigError(f"unknown option(s) {sorted(unknown)} for shapewise.compile; known: "
-                              f"sizes, ranges, splitting_ops, dynamic_dims, backend, on_miss, "
+                              f"sizes, ranges, splitting_ops, dynamic_dims, backend, on_miss, direct_call, "
                               f"{', '.join(sorted(_PIPELINE_KEYS - {'sizes', 'ranges', 'splitting_ops', 'backend'}))}")
         if on_miss not in ("error", "dynamic", "eager"):
             raise ConfigError(f"on_miss must be 'error', 'dynamic' or 'eager', got {on_miss!r}")
@@ -136,6 +138,11 @@ class ShapewiseModule:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
+        # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed it.
+        self._direct_call = bool(direct_call)
+        self._direct: DirectCall | None = None
+        self._direct_pending: DirectCall | None = None
+        self.direct_info = "off (direct_call=False)" if not direct_call else "not traced yet"
 
     # -- tracing -------------------------------------------------------------------------
     def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
@@ -243,9 +250,58 @@ class ShapewiseModule:
         self.runnables.append(runnable)
         self.trace_fixed.append(fixed)
         self._watch = runnable.runtime.watch or self._watch
-        return runnable
+        return self._direct_for(gm, example_inputs, runnable)
+
+    def _direct_for(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Runnable) -> Any:
+        """What Dynamo calls for this trace: the runnable, or with ``direct_call``, a recorder of its
+        outputs until a call arms the direct call (``shapewise.direct``)."""
+        if not self._direct_call:
+            return runnable
+        self._direct = self._direct_pending = None
+        if len(self.runnables) > 1 or self._watch is not None:
+            self.direct_info = ("off: a second trace" if len(self.runnables) > 1 else
+                                f"off: compile={self._options.get('compile')!r} (direct calls need 'eager_all')")
+            return runnable
+        built = build_direct_call(gm, example_inputs, runnable, self.model, self._positional, self._var_names,
+                                  self._signature.parameters)
+        if isinstance(built, str):
+            self.direct_info = f"off: {built}"
+            return runnable
+        self._direct_pending = built
+        local = self._local
+
+        def recorded(*args: Any) -> Any:
+            out = runnable(*args)
+            if self._direct_pending is not None:  # until armed: what the arming call needs to see
+                local.outputs = out
+            return out
+
+        return recorded
+
+    def _arm(self, args: tuple, kwargs: dict, result: Any) -> None:
+        pending, self._direct_pending = self._direct_pending, None
+        outputs = getattr(self._local, "outputs", None)
+        self._local.outputs = None
+        why = "the call's outputs were not seen" if outputs is None else pending.arm(
+            args, kwargs, self._positional, result, outputs)
+        if why is None:
+            self._direct, self.direct_info = pending, "on"
+        else:
+            self.direct_info = f"off: {why}"
+            log.info("shapewise: direct calls stay off: %s", why)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        direct = self._direct
+        if direct is not None:
+            out = direct(args, kwargs)
+            if out is not MISS:
+                return out
+        out = self._call(args, kwargs)
+        if self._direct_pending is not None:
+            self._arm(args, kwargs, out)
+        return out
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         try:
             if self.runnables:
                 try:
@@ -395,7 +451,9 @@ def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), spl
 
     ``dynamic_dims`` maps argument names to a dim, a list of dims, or {dim: name}; by default
     dim 0 of every tensor argument. Options: ``options`` / ``static_options`` /
-    ``range_options`` (Inductor config), ``on_compile_error``, ``instruments``.
+    ``range_options`` (Inductor config), ``on_compile_error``, ``instruments``;
+    ``direct_call=True``: calls past Dynamo's frame after the first trace (``shapewise.direct``:
+    its rules, and what it cannot see; ``fast.direct_info`` says whether it is on and why not).
     """
     return ShapewiseModule(model, sizes=sizes, ranges=ranges, splitting_ops=splitting_ops, dynamic_dims=dynamic_dims,
                            backend=backend, on_miss=on_miss, **options)

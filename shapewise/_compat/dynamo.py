@@ -13,8 +13,8 @@ import torch.fx
 __all__ = [
     "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
     "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
-    "own_recompile_budget", "placeholder_source", "rank_and_world", "scalars_passed_as_tensors", "storage_key",
-    "unmark_dynamic",
+    "is_local", "own_recompile_budget", "placeholder_source", "rank_and_world", "scalars_passed_as_tensors",
+    "size_source", "source_root", "storage_key", "unmark_dynamic",
 ]
 
 
@@ -35,6 +35,31 @@ def placeholder_source(node: torch.fx.Node):
     """The Dynamo ``Source`` a placeholder was lifted from (None outside Dynamo graphs)."""
     grapharg = node.meta.get("grapharg")
     return getattr(grapharg, "source", None) if grapharg is not None else None
+
+
+def is_local(source) -> bool:
+    """Whether a Dynamo source is a local variable of the traced frame itself (``L['x']``)."""
+    from torch._dynamo.source import LocalSource
+
+    return isinstance(source, LocalSource)
+
+
+def size_source(source):
+    """(the tensor's source, dim) when ``source`` reads a size of a tensor (``L['x'].size()[0]``), else None."""
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+
+    if isinstance(source, TensorPropertySource) and source.prop == TensorProperty.SIZE and source.idx is not None:
+        return source.base, source.idx
+    return None
+
+
+def source_root(source) -> str | None:
+    """The local variable a chain of sources starts from (``L['self']._modules['up']...`` → ``self``)."""
+    from torch._dynamo.source import LocalSource
+
+    while source is not None and not isinstance(source, LocalSource):
+        source = getattr(source, "base", None)
+    return source.local_name if source is not None else None
 
 
 def scalars_passed_as_tensors(gm: torch.fx.GraphModule) -> list[str]:

@@ -1,0 +1,187 @@
+"""Direct calls (``sw.compile(..., direct_call=True)``): after the first trace, a call goes to
+the compiled program straight from shapewise, past Dynamo's frame.
+
+Every call through ``torch.compile`` runs Dynamo's compiled frame: its guards, and bytecode that
+fetches every parameter through ``self._modules[...]._parameters[...]`` again. That front costs
+~70 µs a call on the H200 machine's host and ~115 µs on a 2-core CPU for a 4-layer stack, more
+than a piecewise CUDA-graph replay of all the layers' kernels. vLLM calls its compiled code past
+it; so does this, opt-in, under rules that keep answers right:
+
+- The call it builds is generated once per trace: the graph's inputs are the call's tensors
+  (each read as the trace read it, ``L['x']``, or as one of its sizes, ``L['x'].size()[0]``)
+  and the model's parameters and buffers, held from the trace (a module attribute *replaced*
+  by another tensor is not seen: the same rule as a captured CUDA graph's).
+- Its own checks, per call, stand in for Dynamo's guards that can change between calls: the
+  same number of arguments and keywords; each tensor argument of the same type, dtype, device,
+  number of dims, ``requires_grad`` and contiguous (a non-contiguous tensor is not taken); the
+  other arguments equal to the armed call's; grad mode, autocast and the module's ``training``
+  flag as traced. Sizes are the dispatch table's business: a size it has no variant for falls
+  back too.
+- Anything else falls back to the normal call through Dynamo (which re-traces where its guards
+  say so): a check that fails, a size the table does not serve, a second trace.
+- It is armed by the first call that goes through Dynamo after the trace, which shows how the
+  frame builds its result from the program's outputs (tensors matched by identity; None, bools,
+  numbers, strings as constants). A result with anything else (a tensor the program did not
+  return, such as an input returned as is; an object that pytree does not take apart) leaves
+  direct calls off, with the reason in ``direct_info``.
+
+What it cannot see: Python side effects of the forward that Dynamo replays (an attribute set, a
+list appended to) are skipped. Only use it for forwards without them (vLLM's rule too).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from shapewise import _compat
+from shapewise.errors import DispatchMiss
+
+__all__ = ["MISS", "DirectCall", "build_direct_call"]
+
+log = logging.getLogger("shapewise")
+
+#: What a direct call returns when it does not apply (the caller goes through Dynamo).
+MISS = object()
+
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+class DirectCall:
+    """One trace's direct call: ``__call__(args, kwargs)`` -> the result, or ``MISS``."""
+
+    def __init__(self, slots: list[tuple], runnable: Callable[..., Any], module: Any) -> None:
+        self.slots = slots  # per graph input: ("param", tensor) | ("arg", name) | ("size", name, dim)
+        self.runnable = runnable
+        self.module = module
+        self.fn: Callable[[tuple, dict], Any] | None = None  # generated when armed
+        self.calls = 0
+        self.misses = 0
+
+    def arm(self, args: tuple, kwargs: dict, positional: Sequence[str], result: Any,
+            outputs: Sequence[Any]) -> str | None:
+        """Build the call from an armed call (its arguments, its result through Dynamo, the
+        program's outputs for it). None when armed, else why not."""
+        named = dict(zip(positional, args))
+        if len(args) > len(positional):
+            return "positional arguments past the named ones (*args)"
+        named.update(kwargs)
+        for slot in self.slots:
+            if slot[0] in ("arg", "size") and slot[1] not in named:
+                return f"the graph reads argument {slot[1]!r}, which this call did not pass (a default)"
+        leaves, spec = pytree.tree_flatten(result)
+        where = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                idx = next((i for i, o in enumerate(outputs) if o is leaf), None)
+                if idx is None:
+                    return "the result holds a tensor the compiled program did not return (an input returned as is?)"
+                where.append(("out", idx))
+            elif type(leaf) in _CONSTANTS:
+                where.append(("const", leaf))
+            else:
+                return f"the result holds a {type(leaf).__name__}, which is not a tensor or a constant"
+        env = {"MISS": MISS, "Tensor": torch.Tensor, "run": self.runnable, "module": self.module, "spec": spec,
+               "unflatten": pytree.tree_unflatten, "_state": _global_state, "STATE": _global_state(self.module)}
+        checks = [f"if len(args) != {len(args)} or len(kwargs) != {len(kwargs)}"
+                  + "".join(f" or {k!r} not in kwargs" for k in kwargs) + ": return MISS",
+                  "if _state(module) != STATE: return MISS"]
+        names = {}
+        for i, name in enumerate(positional[:len(args)]):
+            names[name] = f"args[{i}]"
+        for k in kwargs:
+            names[k] = f"kwargs[{k!r}]"
+        body = []
+        for n, (name, value) in enumerate(named.items()):
+            var = f"a{n}"
+            body.append(f"{var} = {names[name]}")
+            if isinstance(value, torch.Tensor):
+                if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+                    return f"argument {name!r} is a {type(value).__name__}, a tensor subclass"
+                if not value.is_contiguous():
+                    return f"argument {name!r} is not contiguous"
+                env[f"D{n}"], env[f"V{n}"] = value.dtype, value.device
+                body.append(f"if type({var}) is not Tensor or {var}.dtype is not D{n} or {var}.device != V{n} "
+                            f"or {var}.requires_grad is not {value.requires_grad} or {var}.dim() != {value.dim()} "
+                            f"or not {var}.is_contiguous(): return MISS")
+            elif type(value) in _CONSTANTS:
+                env[f"C{n}"] = value
+                body.append(f"if type({var}) is not {type(value).__name__} or {var} != C{n}: return MISS")
+            else:
+                return f"argument {name!r} is a {type(value).__name__}: only tensors and constants are checked"
+        call_args = []
+        order = {name: f"a{n}" for n, name in enumerate(named)}
+        for k, slot in enumerate(self.slots):
+            if slot[0] == "param":
+                env[f"P{k}"] = slot[1]
+                call_args.append(f"P{k}")
+            elif slot[0] == "arg":
+                call_args.append(order[slot[1]])
+            else:
+                call_args.append(f"{order[slot[1]]}.size({slot[2]})")
+        body.append(f"out = run({', '.join(call_args)})")
+        if len(where) == 1 and where[0][0] == "out" and spec.is_leaf():
+            body.append(f"return out[{where[0][1]}]")
+        else:
+            parts = []
+            for kind, v in where:
+                if kind == "out":
+                    parts.append(f"out[{v}]")
+                else:
+                    env[f"K{len(parts)}"] = v
+                    parts.append(f"K{len(parts)}")
+            body.append(f"return unflatten([{', '.join(parts)}], spec)")
+        src = "def direct(args, kwargs):\n" + "\n".join("    " + line for line in checks + body) + "\n"
+        exec(compile(src, "<shapewise direct call>", "exec"), env)  # noqa: S102 - generated from the trace
+        self.fn = env["direct"]
+        self.source = src
+        return None
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        try:
+            out = self.fn(args, kwargs)
+        except DispatchMiss:
+            out = MISS
+        if out is MISS:
+            self.misses += 1
+        else:
+            self.calls += 1
+        return out
+
+
+def _global_state(module: Any) -> tuple:
+    """What Dynamo guards globally and a call can change: grad mode, autocast (CPU and CUDA),
+    the module's training flag."""
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+            getattr(module, "training", None))
+
+
+def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Callable[..., Any],
+                      module: Any, positional: Sequence[str], var_names: Sequence[str | None],
+                      keywords: Any) -> DirectCall | str:
+    """The trace's direct call (to be armed by a call), or why there is none."""
+    slots: list[tuple] = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return "the graph's inputs and Dynamo's example inputs differ in number"
+    for node, example in zip(placeholders, example_inputs):
+        source = _compat.placeholder_source(node)
+        size = _compat.size_source(source)
+        if size is not None:
+            name = _compat.local_name_of(size[0], positional, *var_names, keywords=keywords)
+            if name is None or not _compat.is_local(size[0]):
+                return f"input {node.name} is a size of something other than an argument ({size[0]})"
+            slots.append(("size", name, size[1]))
+        elif _compat.is_local(source) and _compat.local_name_of(source, positional, *var_names,
+                                                                keywords=keywords) not in (None, "self"):
+            slots.append(("arg", _compat.local_name_of(source, positional, *var_names, keywords=keywords)))
+        elif _compat.source_root(source) == "self" and isinstance(example, torch.Tensor):
+            slots.append(("param", example))
+        else:
+            return f"input {node.name} comes from {source}: neither an argument, its size, nor the module's tensor"
+    return DirectCall(slots, runnable, module)
