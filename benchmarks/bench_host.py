@@ -161,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         out_model = Stack(args.layers, args.dim, heads=max(1, args.dim // 64), hidden=args.dim * 2, max_tokens=64,
                           out_variant=True).to(device=device, dtype=dtype).eval()
         out_model.load_state_dict(model.state_dict())
-        contenders["shapewise piecewise, attention with output"] = sw.compile(
-            out_model, sizes=tokens, splitting_ops=[ATTN + "_out"], dynamic_dims={"x": 0}, progress=False,
-            cache=False, cudagraphs="piecewise")
+        for suffix, direct in (("", False), (", direct_call", True)):
+            contenders["shapewise piecewise, attention with output" + suffix] = sw.compile(
+                out_model, sizes=tokens, splitting_ops=[ATTN + "_out"], dynamic_dims={"x": 0}, progress=False,
+                cache=False, cudagraphs="piecewise", direct_call=direct)
     errors: dict[str, float] = {}
     with torch.no_grad():
         for name, fn in contenders.items():  # warm-up: compiles, CUDA-graph captures, checks
@@ -225,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         lines += [f"- {name}: {d['info']}, {d['direct_calls']} direct, {d['fell_back']} fell back"
                   for name, d in direct.items()]
     piecewise = [("shapewise cudagraphs=piecewise", "shapewise cudagraphs=full"),
-                 ("shapewise cudagraphs=piecewise, direct_call", "shapewise cudagraphs=full, direct_call")]
+                 ("shapewise cudagraphs=piecewise, direct_call", "shapewise cudagraphs=full, direct_call"),
+                 ("shapewise piecewise, attention with output", "shapewise cudagraphs=full"),
+                 ("shapewise piecewise, attention with output, direct_call", "shapewise cudagraphs=full, direct_call")]
     if all(a in results and b in results for a, b in piecewise):
         lines += ["", "Piecewise over full graph host time (median): " + "; ".join(
-            f"{a.removeprefix('shapewise cudagraphs=')}: " + ", ".join(
+            f"{a.removeprefix('shapewise ').removeprefix('cudagraphs=')}: " + ", ".join(
                 f"{results[a][t]['median_us'] / results[b][t]['median_us']:.2f}x at {t}" for t in tokens)
             for a, b in piecewise)]
     worst = max(errors.values())
