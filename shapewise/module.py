@@ -112,6 +112,10 @@ class ShapewiseModule:
                             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         self._var_names = tuple(next((n for n, p in params.items() if p.kind == kind), None)
                                 for kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD))
+        # The names of L['args'][i] in the frame Dynamo traces: a forward wrapped in a decorator
+        # whose wrapper takes (*args, **kwargs) gets the module itself as args[0] (transformers'
+        # forward decorators), so a positional input_ids is args[1].
+        self._source_positional = (["self", *self._positional] if _self_in_args(model) else self._positional)
         self._dims: dict[str, dict[int, str]] | None = None
         if dynamic_dims is not None:
             self._dims = {}
@@ -212,7 +216,7 @@ class ShapewiseModule:
         for node in gm.graph.nodes:
             if node.op != "placeholder":
                 continue
-            arg = _compat.local_name_of(_compat.placeholder_source(node), self._positional, *self._var_names,
+            arg = _compat.local_name_of(_compat.placeholder_source(node), self._source_positional, *self._var_names,
                                         keywords=self._signature.parameters)
             value = _compat.node_value(node)
             if arg in self._arg_dims and isinstance(value, torch.Tensor):
@@ -262,7 +266,7 @@ class ShapewiseModule:
             self.direct_info = ("off: a second trace" if len(self.runnables) > 1 else
                                 f"off: compile={self._options.get('compile')!r} (direct calls need 'eager_all')")
             return runnable
-        built = build_direct_call(gm, example_inputs, runnable, self.model, self._positional, self._var_names,
+        built = build_direct_call(gm, example_inputs, runnable, self.model, self._source_positional, self._var_names,
                                   self._signature.parameters)
         if isinstance(built, str):
             self.direct_info = f"off: {built}"
@@ -438,6 +442,15 @@ class ShapewiseModule:
     def _trace_label(self, i: int) -> str:
         fixed = ", ".join(f"{k}={v}" for k, v in self.trace_fixed[i].items() if v is not None)
         return f"{i + 1}" + (f" ({fixed})" if fixed else "")
+
+
+def _self_in_args(model: Any) -> bool:
+    """Whether the forward Dynamo traces is a wrapper ``(*args, **kwargs)`` (a decorator's) that
+    receives the module as ``args[0]``."""
+    fn = getattr(type(model), "forward", None) if isinstance(model, torch.nn.Module) else None
+    code = getattr(fn, "__code__", None)
+    return (code is not None and getattr(fn, "__wrapped__", None) is not None and code.co_argcount == 0
+            and bool(code.co_flags & inspect.CO_VARARGS))
 
 
 def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), splitting_ops: Sequence[Any] = (),

@@ -62,6 +62,19 @@ def test_decoder(name):
     assert _rows(fast) == [("1", "{n=4}"), ("1", "{n=16}"), ("1", "{n=17..40}"), ("2 (n=1)", "{n=1}")]
 
 
+def test_decoder_called_by_position():
+    # Llama's forward is wrapped in decorators whose wrapper takes (*args, **kwargs), the module
+    # itself in args[0]: a positional input_ids is the traced frame's args[1]. It was read as
+    # attention_mask's, so the size was not named and 16 was silently left out (a DispatchMiss).
+    model = model_of("llama")
+    fast = sw.compile(model, dynamic_dims={"input_ids": 1}, sizes=[4, 16], splitting_ops=["sdpa"],
+                      backend="aot_eager")
+    for n in (4, 16):
+        ids = torch.randint(0, VOCAB, (2, n))
+        assert_same(fast(ids, use_cache=False).logits, model(ids, use_cache=False).logits, f"seq={n}")
+    assert [key for _, key in _rows(fast)] == ["{n=4}", "{n=16}"]
+
+
 @pytest.mark.inductor
 def test_decoder_inductor():
     fast = sw.compile(model_of("llama"), dynamic_dims={"input_ids": 1}, sizes=[1, 4], splitting_ops=["sdpa"],
