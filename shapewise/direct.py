@@ -180,7 +180,8 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
         elif _compat.is_local(source) and _compat.local_name_of(source, positional, *var_names,
                                                                 keywords=keywords) not in (None, "self"):
             slots.append(("arg", _compat.local_name_of(source, positional, *var_names, keywords=keywords)))
-        elif _compat.source_root(source) == "self" and isinstance(example, torch.Tensor):
+        elif _compat.local_name_of(source, positional, *var_names, keywords=keywords) == "self" and isinstance(
+                example, torch.Tensor):
             slots.append(("param", example))
         else:
             return f"input {node.name} comes from {source}: neither an argument, its size, nor the module's tensor"

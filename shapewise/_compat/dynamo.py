@@ -14,7 +14,7 @@ __all__ = [
     "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
     "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
     "is_local", "own_recompile_budget", "placeholder_source", "rank_and_world", "scalars_passed_as_tensors",
-    "size_source", "source_root", "storage_key", "unmark_dynamic",
+    "size_source", "storage_key", "unmark_dynamic",
 ]
 
 
@@ -38,9 +38,14 @@ def placeholder_source(node: torch.fx.Node):
 
 
 def is_local(source) -> bool:
-    """Whether a Dynamo source is a local variable of the traced frame itself (``L['x']``)."""
-    from torch._dynamo.source import LocalSource
+    """Whether a Dynamo source is one argument of the call as a whole: a local variable of the
+    traced frame (``L['x']``), or one item of a wrapper's ``*args`` / ``**kwargs``
+    (``L['args'][1]``, ``L['kwargs']['input_ids']``), not an element or attribute of one."""
+    from torch._dynamo.source import DictGetItemSource, GetItemSource, LocalSource
 
+    if isinstance(source, (GetItemSource, DictGetItemSource)):
+        base = source.base
+        return isinstance(base, LocalSource) and base.local_name in ("args", "kwargs")
     return isinstance(source, LocalSource)
 
 
@@ -51,15 +56,6 @@ def size_source(source):
     if isinstance(source, TensorPropertySource) and source.prop == TensorProperty.SIZE and source.idx is not None:
         return source.base, source.idx
     return None
-
-
-def source_root(source) -> str | None:
-    """The local variable a chain of sources starts from (``L['self']._modules['up']...`` → ``self``)."""
-    from torch._dynamo.source import LocalSource
-
-    while source is not None and not isinstance(source, LocalSource):
-        source = getattr(source, "base", None)
-    return source.local_name if source is not None else None
 
 
 def scalars_passed_as_tensors(gm: torch.fx.GraphModule) -> list[str]:

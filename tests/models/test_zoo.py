@@ -75,6 +75,20 @@ def test_decoder_called_by_position():
     assert [key for _, key in _rows(fast)] == ["{n=4}", "{n=16}"]
 
 
+def test_direct_call_on_a_decoder():
+    # Past Dynamo's frame (direct_call): the arguments are items of the decorators' *args /
+    # **kwargs, the result a CausalLMOutputWithPast rebuilt from the program's outputs.
+    model = model_of("llama")
+    fast = sw.compile(model, dynamic_dims={"input_ids": 1}, sizes=[4, 16], splitting_ops=["sdpa"],
+                      backend="aot_eager", direct_call=True)
+    for n in (4, 16, 4):
+        ids = torch.randint(0, VOCAB, (2, n))
+        out = fast(input_ids=ids, use_cache=False)
+        assert type(out).__name__ == "CausalLMOutputWithPast"
+        assert_same(out.logits, model(input_ids=ids, use_cache=False).logits, f"seq={n}")
+    assert fast.direct_info == "on" and fast._direct.calls == 2  # the first call armed it
+
+
 @pytest.mark.inductor
 def test_decoder_inductor():
     fast = sw.compile(model_of("llama"), dynamic_dims={"input_ids": 1}, sizes=[1, 4], splitting_ops=["sdpa"],
