@@ -174,10 +174,10 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
         size = _compat.size_source(source)
         if size is not None:
             name = _compat.local_name_of(size[0], positional, *var_names, keywords=keywords)
-            if name is None or not _compat.is_local(size[0]):
+            if name is None or not _compat.is_whole_argument(size[0]):
                 return f"input {node.name} is a size of something other than an argument ({size[0]})"
             slots.append(("size", name, size[1]))
-        elif _compat.is_local(source) and _compat.local_name_of(source, positional, *var_names,
+        elif _compat.is_whole_argument(source) and _compat.local_name_of(source, positional, *var_names,
                                                                 keywords=keywords) not in (None, "self"):
             slots.append(("arg", _compat.local_name_of(source, positional, *var_names, keywords=keywords)))
         elif _compat.local_name_of(source, positional, *var_names, keywords=keywords) == "self" and isinstance(

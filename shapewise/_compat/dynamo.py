@@ -13,7 +13,7 @@ import torch.fx
 __all__ = [
     "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
     "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
-    "is_local", "own_recompile_budget", "placeholder_source", "rank_and_world", "scalars_passed_as_tensors",
+    "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world", "scalars_passed_as_tensors",
     "size_source", "storage_key", "unmark_dynamic",
 ]
 
@@ -37,7 +37,7 @@ def placeholder_source(node: torch.fx.Node):
     return getattr(grapharg, "source", None) if grapharg is not None else None
 
 
-def is_local(source) -> bool:
+def is_whole_argument(source) -> bool:
     """Whether a Dynamo source is one argument of the call as a whole: a local variable of the
     traced frame (``L['x']``), or one item of a wrapper's ``*args`` / ``**kwargs``
     (``L['args'][1]``, ``L['kwargs']['input_ids']``), not an element or attribute of one."""
