@@ -41,7 +41,6 @@ and pieces with in-place ops (the slices run out of the old order).
 
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -57,8 +56,6 @@ from shapewise.passes.graph_pass import GraphPass, Sizes, VariantSizes
 from shapewise.passes.patterns import match_linear
 
 __all__ = ["OverlapAllReduce"]
-
-log = logging.getLogger("shapewise")
 
 _POINTWISE_FUNCTIONS = {
     operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pow,
@@ -280,10 +277,11 @@ def _row_wise(node: torch.fx.Node, plan: _Plan, collectives: tuple[Any, ...]) ->
     if target in collectives:
         return True
     if target is operator.getitem:
-        return isinstance(first, torch.fx.Node) and _tensors(node_value(first)) is not None and len(
-            _tensors(node_value(first))) > 1 and isinstance(node.args[1], int)
-    if node.op == "call_function" and match_linear(node) is not None:
-        x, weight, bias, _ = match_linear(node)
+        parts = _tensors(node_value(first)) if isinstance(first, torch.fx.Node) else None
+        return parts is not None and len(parts) > 1 and isinstance(node.args[1], int)
+    linear = match_linear(node) if node.op == "call_function" else None
+    if linear is not None:
+        x, weight, bias, _ = linear
         return (kind.get(x) == "split" and kind.get(weight) == "shared"
                 and (bias is None or kind.get(bias) == "shared"))
     if not isinstance(first, torch.fx.Node) or kind.get(first) != "split":
