@@ -113,6 +113,70 @@ def breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int, sync: Callabl
     return out
 
 
+def host_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
+    """Host µs per call: the clock stops before the device is waited for (a graph replay's
+    launch, not the kernels it queues)."""
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    return (t1 - t0) / calls * 1e6
+
+
+def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
+                        sync: Callable[[], None]) -> dict[str, float]:
+    """Where a piecewise-CUDA-graph call's host time goes (median host µs per call): the whole
+    call, the runner, then per piece its graphed call, and the floor under it: the graph's
+    replay alone, the copies into its static inputs alone, each splitting op's call alone. What
+    the pieces' sum leaves of the runner, and the runner of the call, is shapewise's Python."""
+    from shapewise.dispatch.cudagraphs import GraphedPiece, _clone_tensors
+
+    runnable, args = capture_runnable_args(fast, x)
+    run = runnable._exact[runnable._key(args)]
+    runner = getattr(run, "__wrapped__", run)
+    program = runnable.program
+    pieces = {p.name: runner.__globals__[f"_{p.name}"] for p in program.pieces}
+    piece_args: dict[str, tuple] = {}
+
+    def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any) -> Any:
+            piece_args[name] = a
+            return fn(*a)
+        return call
+
+    out = make_runner(program.graph, {n: spy(n, f) for n, f in pieces.items()})(*args)
+    probes: dict[str, Callable[[], Any]] = {
+        "call (direct or Dynamo, runnable, runner, output clone)": lambda: fast(x),
+        "runnable (key + lookup + runner + output clone)": lambda: runnable(*args),
+        "runner (generated, pieces in order)": lambda: runner(*args),
+        "output clone": lambda: _clone_tensors(out),
+    }
+    floor = []
+    for p in program.pieces:
+        f, a = pieces[p.name], piece_args[p.name]
+        if isinstance(f, GraphedPiece) and f.graph is not None:
+            probes[f"{p.name}: graphed call"] = lambda f=f, a=a: f(*a)
+            probes[f"{p.name}: replay alone"] = f.graph.replay
+            floor.append(f"{p.name}: replay alone")
+            if f.copy_slots:
+                probes[f"{p.name}: {len(f.copy_slots)} static-input copies alone"] = \
+                    lambda f=f, a=a: [s.copy_(a[i]) for i, s in f.copy_slots]
+                floor.append(f"{p.name}: {len(f.copy_slots)} static-input copies alone")
+        else:
+            probes[f"{p.name}: {'splitting op' if p.is_splitting else 'uncaptured piece'} alone"] = \
+                lambda f=f, a=a: f(*a)
+            floor.append(f"{p.name}: {'splitting op' if p.is_splitting else 'uncaptured piece'} alone")
+    times: dict[str, list[float]] = {k: [] for k in probes}
+    for _ in range(rounds):
+        for name, fn in probes.items():
+            times[name].append(host_us(fn, calls, sync))
+    res = {k: statistics.median(v) for k, v in times.items()}
+    res["floor: replays + copies + splitting ops + output clone"] = sum(res[k] for k in floor) + res["output clone"]
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -179,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name, fn in contenders.items():
                     times[name][t].append(per_call_us(lambda fn=fn, x=x: fn(x), args.calls, sync))
         parts = {t: breakdown(fast, x, args.calls, args.rounds, sync) for t, x in inputs.items()}
+        pw_name = "shapewise cudagraphs=piecewise, direct_call"
+        pw_parts = ({t: piecewise_breakdown(contenders[pw_name], x, args.calls, args.rounds, sync)
+                     for t, x in inputs.items()} if pw_name in contenders else {})
     copies = {}  # per CUDA-graph contender and size: inputs copied into static buffers per call
     for name, fn in contenders.items():
         program = getattr(fn, "program", None)
@@ -187,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
             copies[name] = {t: sum(len(p.copy_slots) for p in graphed_pieces(program) if p.key == (t,))
                             for t in tokens}
-    direct = {name: {"info": fn.direct_info, "direct_calls": fn._direct.calls if fn._direct else 0,
-                     "fell_back": fn._direct.misses if fn._direct else None}
+    direct = {name: {"info": fn.direct_info, "direct_calls": fn.direct_calls, "fell_back": fn.direct_fallbacks}
               for name, fn in contenders.items() if "direct_call" in name}
     base = "torch.compile dynamic=False"
     results = {n: {t: {"median_us": statistics.median(v), "min_us": min(v),
@@ -202,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"env": env, "results": results, "breakdown": parts,
+                                                  "piecewise_breakdown": pw_parts,
                                                   "copies_per_call": copies, "rel_errors": errors,
                                                   "direct_call": direct},
                                                  indent=2, default=str))
@@ -217,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
               "| layer | " + " | ".join(str(t) for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
     for k in parts[tokens[0]]:
         lines.append(f"| {k} | " + " | ".join(f"{parts[t][k]:.1f}" for t in tokens) + " |")
+    if pw_parts:
+        lines += ["", f"Where a call of {pw_name} goes (median host µs per call, the clock stopped before the "
+                  "device is waited for; the floor is what no wrapper can take away):", "",
+                  "| part | " + " | ".join(str(t) for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
+        for k in pw_parts[tokens[0]]:
+            lines.append(f"| {k} | " + " | ".join(f"{pw_parts[t][k]:.1f}" for t in tokens) + " |")
     if copies:
         lines += ["", "Inputs copied into CUDA graphs' static buffers per call (the caller's input, splitting-op "
                   "outputs):", ""]

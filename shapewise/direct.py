@@ -15,10 +15,16 @@ it; so does this, opt-in, under rules that keep answers right:
   same number of arguments and keywords; each tensor argument of the same type, dtype, device,
   number of dims, ``requires_grad`` and contiguous (a non-contiguous tensor is not taken); the
   other arguments equal to the armed call's; grad mode, autocast and the module's ``training``
-  flag as traced. Sizes are the dispatch table's business: a size it has no variant for falls
-  back too.
+  flag as traced. Sizes as Dynamo guards them: every size the trace fixed equal to it (all of a
+  tensor the graph does not read), and the dims that share a dynamic size equal to each other
+  (a dim sized by an expression of dynamic sizes leaves direct calls off). Which dynamic sizes
+  are served is the dispatch table's business: a size it has no variant for falls back too.
 - Anything else falls back to the normal call through Dynamo (which re-traces where its guards
-  say so): a check that fails, a size the table does not serve, a second trace.
+  say so): a check that fails, a size the table does not serve.
+- Each trace has its own direct call (transformers' decoders trace decode, one token, apart
+  from longer inputs); a call tries them most recently used first. A trace's table holds only
+  sizes its guards allow, so whichever trace's direct call serves a call answers it as Dynamo's
+  choice of trace would.
 - It is armed by the first call that goes through Dynamo after the trace, which shows how the
   frame builds its result from the program's outputs (tensors matched by identity; None, bools,
   numbers, strings as constants). A result with anything else (a tensor the program did not
@@ -31,9 +37,11 @@ list appended to) are skipped. Only use it for forwards without them (vLLM's rul
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
@@ -52,8 +60,12 @@ _CONSTANTS = (type(None), bool, int, float, str)
 class DirectCall:
     """One trace's direct call: ``__call__(args, kwargs)`` -> the result, or ``MISS``."""
 
-    def __init__(self, slots: list[tuple], runnable: Callable[..., Any], module: Any) -> None:
+    def __init__(self, slots: list[tuple], runnable: Callable[..., Any], module: Any,
+                 dims: dict[str, tuple[sympy.Expr, ...]] | None = None,
+                 sizes: dict[tuple[str, int], sympy.Expr] | None = None) -> None:
         self.slots = slots  # per graph input: ("param", tensor) | ("arg", name) | ("size", name, dim)
+        self.dims = dims or {}  # per tensor argument the graph reads: its traced sizes (ints or symbols)
+        self.sizes = sizes or {}  # per (argument, dim) the graph reads a size of: that size's symbol
         self.runnable = runnable
         self.module = module
         self.fn: Callable[[tuple, dict], Any] | None = None  # generated when armed
@@ -94,6 +106,7 @@ class DirectCall:
         for k in kwargs:
             names[k] = f"kwargs[{k!r}]"
         body = []
+        symbols: dict[sympy.Symbol, str] = {}  # a dynamic size: where the call's first reads it
         for n, (name, value) in enumerate(named.items()):
             var = f"a{n}"
             body.append(f"{var} = {names[name]}")
@@ -106,6 +119,23 @@ class DirectCall:
                 body.append(f"if type({var}) is not Tensor or {var}.dtype is not D{n} or {var}.device != V{n} "
                             f"or {var}.requires_grad is not {value.requires_grad} or {var}.dim() != {value.dim()} "
                             f"or not {var}.is_contiguous(): return MISS")
+                # Dynamo's guards on sizes: the trace's fixed sizes, and one value per dynamic size.
+                traced = self.dims.get(name) or tuple(self.sizes.get((name, d), sympy.Integer(size))
+                                                      for d, size in enumerate(value.shape))
+                fixed = [(d, int(e)) for d, e in enumerate(traced) if e.is_Integer]
+                if fixed:
+                    env[f"S{n}"] = operator.itemgetter(*(d for d, _ in fixed))
+                    want = tuple(v for _, v in fixed) if len(fixed) > 1 else fixed[0][1]
+                    body.append(f"if S{n}({var}.shape) != {want!r}: return MISS")
+                for d, e in enumerate(traced):
+                    if e.is_Integer:
+                        continue
+                    if not e.is_Symbol:
+                        return f"dim {d} of argument {name!r} is sized {e}, an expression of dynamic sizes"
+                    if e in symbols:
+                        body.append(f"if {var}.shape[{d}] != {symbols[e]}: return MISS")
+                    else:
+                        symbols[e] = f"{var}.shape[{d}]"
             elif type(value) in _CONSTANTS:
                 env[f"C{n}"] = value
                 body.append(f"if type({var}) is not {type(value).__name__} or {var} != C{n}: return MISS")
@@ -163,6 +193,8 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
                       keywords: Any) -> DirectCall | str:
     """The trace's direct call (to be armed by a call), or why there is none."""
     slots: list[tuple] = []
+    dims: dict[str, tuple[sympy.Expr, ...]] = {}
+    sizes: dict[tuple[str, int], sympy.Expr] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         return "the graph's inputs and Dynamo's example inputs differ in number"
@@ -175,10 +207,14 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
             if name is None or not _compat.is_whole_argument(read):
                 return f"input {node.name} is a size of something other than an argument ({read})"
             slots.append(("size", name, size[1]))
+            sizes[(name, size[1])] = _compat.sym_expr(_compat.node_value(node))
         elif _compat.is_whole_argument(source) and name not in (None, "self"):
             slots.append(("arg", name))
+            value = _compat.node_value(node)
+            if isinstance(value, torch.Tensor):
+                dims[name] = tuple(_compat.sym_expr(size) for size in value.shape)
         elif name == "self" and isinstance(example, torch.Tensor):
             slots.append(("param", example))
         else:
             return f"input {node.name} comes from {source}: neither an argument, its size, nor the module's tensor"
-    return DirectCall(slots, runnable, module)
+    return DirectCall(slots, runnable, module, dims, sizes)

@@ -143,10 +143,14 @@ class ShapewiseModule:
         self._local = threading.local()
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
         # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed it.
+        # One per trace that has one, most recently used first (a new tuple on each change, so a
+        # concurrent call sees the old one or the new one); the traces' calls yet to be armed.
         self._direct_call = bool(direct_call)
-        self._direct: DirectCall | None = None
-        self._direct_pending: DirectCall | None = None
-        self.direct_info = "off (direct_call=False)" if not direct_call else "not traced yet"
+        self._directs: tuple[DirectCall, ...] = ()
+        self._direct_pending: dict[int, DirectCall] = {}
+        self._direct_infos: list[str] = []  # per trace
+        self.direct_calls = 0  # calls served past Dynamo's frame
+        self.direct_fallbacks = 0  # calls that went through Dynamo while some direct call was on
 
     # -- tracing -------------------------------------------------------------------------
     def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
@@ -258,50 +262,74 @@ class ShapewiseModule:
 
     def _direct_for(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Runnable) -> Any:
         """What Dynamo calls for this trace: the runnable, or with ``direct_call``, a recorder of its
-        outputs until a call arms the direct call (``shapewise.direct``)."""
+        outputs until a call arms this trace's direct call (``shapewise.direct``)."""
         if not self._direct_call:
             return runnable
-        self._direct = self._direct_pending = None
-        if len(self.runnables) > 1 or self._watch is not None:
-            self.direct_info = ("off: a second trace" if len(self.runnables) > 1 else
-                                f"off: compile={self._options.get('compile')!r} (direct calls need 'eager_all')")
+        index = len(self.runnables) - 1
+        self._direct_infos.append("waiting for a call through Dynamo to arm it")
+        if self._watch is not None:
+            self._direct_infos[index] = f"off: compile={self._options.get('compile')!r} (direct calls need 'eager_all')"
             return runnable
         built = build_direct_call(gm, example_inputs, runnable, self.model, self._source_positional, self._var_names,
                                   self._signature.parameters)
         if isinstance(built, str):
-            self.direct_info = f"off: {built}"
+            self._direct_infos[index] = f"off: {built}"
             return runnable
-        self._direct_pending = built
-        local = self._local
+        self._direct_pending[index] = built
+        local, pending = self._local, self._direct_pending
 
         def recorded(*args: Any) -> Any:
             out = runnable(*args)
-            if self._direct_pending is not None:  # until armed: what the arming call needs to see
-                local.outputs = out
+            if index in pending:  # until armed: what the arming call needs to see
+                local.outputs = (index, out)
             return out
 
         return recorded
 
     def _arm(self, args: tuple, kwargs: dict, result: Any) -> None:
-        pending, self._direct_pending = self._direct_pending, None
-        outputs = getattr(self._local, "outputs", None)
-        self._local.outputs = None
-        why = "the call's outputs were not seen" if outputs is None else pending.arm(
-            args, kwargs, self._positional, result, outputs)
-        if why is None:
-            self._direct, self.direct_info = pending, "on"
-        else:
-            self.direct_info = f"off: {why}"
-            log.info("shapewise: direct calls stay off: %s", why)
+        """Arm the direct call of the trace this call ran through Dynamo, if it waits for one."""
+        seen, self._local.outputs = getattr(self._local, "outputs", None), None
+        if seen is None:
+            return  # the call ran a trace that is armed already (or none: an error)
+        index, outputs = seen
+        with self._lock:
+            pending = self._direct_pending.pop(index, None)
+            if pending is None:
+                return
+            why = pending.arm(args, kwargs, self._positional, result, outputs)
+            if why is None:
+                self._directs, self._direct_infos[index] = (*self._directs, pending), "on"
+            else:
+                self._direct_infos[index] = f"off: {why}"
+                log.info("shapewise: direct calls of trace %s stay off: %s", self._trace_label(index), why)
+
+    @property
+    def direct_info(self) -> str:
+        """Whether calls go past Dynamo's frame (``direct_call=True``), per trace, and why not."""
+        if not self._direct_call:
+            return "off (direct_call=False)"
+        infos = self._direct_infos
+        if not infos:
+            return "not traced yet"
+        if len(infos) == 1:
+            return infos[0]
+        return "; ".join(f"trace {self._trace_label(i)}: {info}" for i, info in enumerate(infos))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        direct = self._direct
-        if direct is not None:
-            out = direct(args, kwargs)
-            if out is not MISS:
-                return out
+        directs = self._directs
+        if directs:
+            # A trace's table holds only sizes its guards allow (``_backend`` skips the others) and
+            # its direct call checks the rest: whichever trace serves the call answers as Dynamo's would.
+            for i, direct in enumerate(directs):
+                out = direct(args, kwargs)
+                if out is not MISS:
+                    if i:  # most recently used first: a decode loop tries its own trace first
+                        self._directs = (direct, *(d for d in directs if d is not direct))
+                    self.direct_calls += 1
+                    return out
+            self.direct_fallbacks += 1
         out = self._call(args, kwargs)
-        if self._direct_pending is not None:
+        if self._direct_pending:
             self._arm(args, kwargs, out)
         return out
 

@@ -14,9 +14,9 @@ from tests.helpers import assert_same
 
 
 def _served_directly(fast, call) -> bool:
-    before = fast._direct.calls if fast._direct is not None else 0
+    before = fast.direct_calls
     call()
-    return fast._direct is not None and fast._direct.calls == before + 1
+    return fast.direct_calls == before + 1
 
 
 def test_direct_calls_answer_as_eager_at_every_size_and_range():
@@ -50,9 +50,42 @@ def test_what_the_checks_refuse_goes_through_dynamo_and_stays_right():
         assert _served_directly(fast, lambda: assert_same(fast(x), model(x), "eval again"))
         t = torch.randn(32, 8).t()  # not contiguous: Dynamo's path, which traces again for it
         assert not _served_directly(fast, lambda: assert_same(fast(t), model(t), "transposed"))
-    assert fast.traces == 2 and fast.direct_info == "off: a second trace"
+        # The second trace's arming call is that non-contiguous one, which its checks refuse; the
+        # first trace's direct call still serves what it served.
+        assert fast.traces == 2
+        assert fast.direct_info == "trace 1: on; trace 2: off: argument 'x' is not contiguous"
+        assert _served_directly(fast, lambda: assert_same(fast(x), model(x), "after the second trace"))
     # Grad mode differs from the trace's: Dynamo's path.
     assert not _served_directly(fast, lambda: assert_same(fast(x), model(x), "grad on"))
+
+
+class BranchesOnOne(nn.Module):
+    """Branches on ``n > 1`` as transformers' sdpa_attention_forward does (is_causal = q_len > 1):
+    a call at 1 fails the first trace's guards and makes a second trace, specialised to 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.cumsum(0) if x.shape[0] > 1 else y * 2
+
+
+def test_each_trace_gets_its_own_direct_call():
+    torch.manual_seed(0)
+    model = BranchesOnOne().eval()
+    fast = sw.compile(model, sizes=[1, 4, 8], direct_call=True, backend="aot_eager", progress=False)
+    with torch.no_grad():
+        fast(torch.randn(4, 16))  # trace 1 (n > 1): 4 and 8; arms its direct call
+        fast(torch.randn(1, 16))  # trace 2 (n == 1); arms its direct call
+        assert fast.traces == 2 and fast.direct_info == "trace 1: on; trace 2 (n=1): on"
+        for n in (1, 8, 1, 1, 4, 8, 1):  # alternating traces, each answered by the right one
+            x = torch.randn(n, 16)
+            assert _served_directly(fast, lambda x=x, n=n: assert_same(fast(x), model(x), f"n={n}"))
+        with pytest.raises(DispatchMiss):  # neither trace serves 5: Dynamo's path, its error
+            fast(torch.randn(5, 16))
+    assert fast.traces == 2 and fast.direct_fallbacks == 2  # the call that made trace 2, and 5
 
 
 class ReturnsMore(nn.Module):
@@ -93,7 +126,7 @@ def test_a_result_it_cannot_rebuild_leaves_direct_calls_off_with_the_reason():
     fast = sw.compile(Identity(), sizes=[2, 4], direct_call=True, backend="aot_eager", progress=False)
     x = torch.randn(2, 3)
     out = fast(x)
-    assert out[0] is x and fast._direct is None
+    assert out[0] is x and not fast._directs
     assert fast.direct_info.startswith("off: the result holds a tensor the compiled program did not return")
 
 
@@ -113,4 +146,26 @@ def test_off_by_default():
     fast = sw.compile(MLP().eval(), sizes=[4], backend="aot_eager", progress=False)
     with torch.no_grad():
         fast(torch.randn(4, 32))
-    assert fast._direct is None and fast.direct_info.startswith("off")
+    assert not fast._directs and fast.direct_info.startswith("off")
+
+
+class AddsTwo(nn.Module):
+    def forward(self, x, y):
+        return x * 2 + y
+
+
+def test_sizes_the_trace_fixed_or_shares_are_checked():
+    # Dynamo guards y's dim 0 equal to x's (one symbol) and dim 1 to 8 (fixed): a call past its
+    # frame must check the same, or a variant would run on inputs it was not compiled for.
+    fast = sw.compile(AddsTwo(), sizes=[2, 4], dynamic_dims={"x": 0, "y": 0}, direct_call=True,
+                      backend="aot_eager", progress=False)
+    fast(torch.randn(2, 8), torch.randn(2, 8))
+    assert fast.direct_info == "on"
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    assert _served_directly(fast, lambda: assert_same(fast(x, y), x * 2 + y, "as traced"))
+    x, y = torch.randn(4, 3), torch.randn(4, 3)  # dim 1 differs from the trace's: Dynamo traces again
+    assert not _served_directly(fast, lambda: assert_same(fast(x, y), x * 2 + y, "dim 1 = 3"))
+    fallbacks = fast.direct_fallbacks
+    with pytest.raises(Exception, match="broadcast"):  # the shapes do not add: an error, through Dynamo
+        fast(torch.randn(4, 8), torch.randn(2, 8))
+    assert fast.direct_fallbacks == fallbacks + 1

@@ -1,5 +1,5 @@
 """``shapewise::gemv``: ``y = x @ weight.T (+ bias)`` for a few rows (decode), as a Triton kernel
-that streams the weight once, tuned per (rows, N, K) on the first call.
+that streams the weight once, tuned per weight and row count on the first call.
 
 At one to sixteen rows a linear layer is a read of its weight: the arithmetic is nothing, and
 the time is the weight's bytes over memory bandwidth. cuBLAS picks GEMM tilings for these
@@ -13,14 +13,17 @@ most ``MAX_ROWS`` rows, Triton importable) and ``torch.nn.functional.linear`` ev
 so it is right on any input. Its fake implementation lets Dynamo, AOTAutograd and Inductor
 trace it, and its backward is the usual one, so it trains.
 
-Tuning: the first call per (rows, N, K, dtype, bias, device) looks in memory, then on disk
-(``shapewise.kernels.store``: ``<shapewise cache>/gemv-tuning/``, one JSON file per GPU model,
-torch and Triton versions, kernel source and shape, shared by every process and rank; ``rm -r``
-the folder to clear it, ``SHAPEWISE_CACHE=0`` to keep it in memory only), and only then times
-each of ``gemv_configs`` with ``triton.testing.do_bench``, keeps the fastest (or ``F.linear``,
-when that is faster) and writes it to disk. ``tune()`` does this ahead of time on random tensors
-(``DecodeGemv`` calls it at compile time). Inside a CUDA graph capture nothing is timed: a shape
-missing from memory and disk takes the first config that fits, untimed and not remembered.
+Tuning has two levels, each read from memory, then disk (``shapewise.kernels.store``:
+``<shapewise cache>/gemv-tuning/``, one JSON file per GPU model, torch and Triton versions, kernel
+source and shape, shared by every process and rank; ``rm -r`` the folder to clear it,
+``SHAPEWISE_CACHE=0`` to keep it in memory only), else timed (``triton.testing.do_bench``) and
+written to disk. Per weight (N, K, dtype, bias; under ``weights/``), every config of
+``gemv_configs`` is timed once, at ``MAX_ROWS`` rows: the kernel always computes a 16-row tile,
+so one config is fastest at every row count. Per row count, only that config and ``F.linear``
+are timed, at the real rows, and the faster kept (whether cuBLAS wins does depend on the rows).
+``tune()`` does this ahead of time on random tensors (``DecodeGemv`` calls it at compile time).
+Inside a CUDA graph capture nothing is timed: a shape missing from memory and disk takes its
+weight's config when known, else the first that fits, untimed and not remembered.
 ``SHAPEWISE_GEMV_TUNE=0`` turns the timing off (first config, never written to disk).
 A split-K config sums its K slices with float32 atomics, whose order varies: the last bits of
 the result can differ from run to run (bf16 rounding of a float32 sum, well inside tolerance).
@@ -176,9 +179,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvC
     return y if cfg.split_k == 1 else y.to(x.dtype)
 
 
-_TUNED: dict[tuple, GemvConfig | None] = {}
+_TUNED: dict[tuple, GemvConfig | None] = {}  # (rows, N, K, dtype, bias, device index) -> config or None
+_WINNERS: dict[tuple, GemvConfig | None] = {}  # (N, K, dtype, bias, device index) -> the weight's fastest config
 _TUNE_LOCK = threading.Lock()
 _STATS_LOCK = threading.Lock()
+_BUSY = object()  # with wait=False: another process holds the file lock of the tune we need
 
 
 def _key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
@@ -196,9 +201,9 @@ def tune(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: b
     """Tune ``x[rows, k] @ w[n, k].T (+ b[n])`` ahead of the op's first call, on random tensors
     (made with a generator of their own): the config the op will use, from memory or disk when
     some process tuned it already, else timed here and written to disk for the others. With
-    ``wait=False`` a shape that another process is tuning right now is left to it (None, at
-    once). Needs the kernel's device (CUDA with Triton); a shape the kernel does not take (other
-    dtypes, more rows, K < 16) is not timed: None, ``F.linear``."""
+    ``wait=False`` a shape (or its weight) that another process is tuning right now is left to
+    it (None, at once). Needs the kernel's device (CUDA with Triton); a shape the kernel does not
+    take (other dtypes, more rows, K < 16) is not timed: None, ``F.linear``."""
     if dtype not in _FAST_DTYPES or not 1 <= rows <= MAX_ROWS or k < 16 or n * k > _MAX_OFFSET:
         return None
     device = torch.device(device)
@@ -216,7 +221,8 @@ def tune(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: b
 
 
 def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait: bool = True) -> GemvConfig | None:
-    """Memory, then disk (under the key's file lock), then ``_tune(*tensors())``."""
+    """Memory, then disk (under the key's file lock), then ``_tune`` of the weight's config (the
+    same three steps, ``_tune_weight`` last) against ``F.linear`` on ``tensors()``."""
     cfg = _TUNED.get(key, False)
     if cfg is not False:
         return cfg
@@ -226,24 +232,49 @@ def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait
         _TUNED[key] = configs[0]  # untimed, by request
         return configs[0]
     store = TuningStore.default("gemv")
-    fields = _fields(key, gpu, sms, configs)
-    parse = functools.partial(_parse, configs=configs)
+    weights = TuningStore(store.folder / "weights") if store is not None else None  # ``rm -r`` clears both
+    fields, wfields = _fields(key, gpu, sms, configs), _weight_fields(key[1:], gpu, sms, configs)
+
+    def decide() -> GemvConfig | None:  # under the row count's file lock, then the weight's: always that order
+        x, w, b = tensors()
+        best = _recall(_WINNERS, key[1:], weights, wfields, configs, wait, lambda: _tune_weight(x, w, b, configs))
+        return best if best is None or best is _BUSY else _tune(x, w, b, best)  # None: no config ran
+
     with _TUNE_LOCK:
         if key in _TUNED:
             return _TUNED[key]
-        if _capturing():  # no timing inside a capture: what disk has, else untimed and not remembered
-            cfg = store.load(fields, parse) if store is not None else MISSING
-            return configs[0] if cfg is MISSING else _TUNED.setdefault(key, cfg)
-        with store.locked(fields, wait) if store is not None else contextlib.nullcontext(True) as held:
-            if not held:
-                return None  # another process is tuning it; the op's first call reads its result
-            cfg = store.load(fields, parse) if store is not None else MISSING
-            if cfg is MISSING:
-                cfg = _tune(*tensors(), configs)
-                if store is not None:
-                    store.save(fields, None if cfg is None else dataclasses.asdict(cfg))
-        _TUNED[key] = cfg
+        if _capturing():  # no timing inside a capture: what memory or disk has, else untimed and not remembered
+            cfg = _load(store, fields, configs)
+            if cfg is not MISSING:
+                return _TUNED.setdefault(key, cfg)
+            best = _WINNERS[key[1:]] if key[1:] in _WINNERS else _load(weights, wfields, configs)
+            return configs[0] if best is MISSING else _WINNERS.setdefault(key[1:], best)
+        cfg = _recall(_TUNED, key, store, fields, configs, wait, decide)
+    return None if cfg is _BUSY else cfg  # _BUSY: another process is tuning it; the op's first call waits
+
+
+def _recall(memo: dict, key: tuple, store: TuningStore | None, fields: dict, configs: list[GemvConfig], wait: bool,
+            compute: Callable[[], GemvConfig | None]) -> GemvConfig | None:
+    """``memo[key]``, else the stored record (under its file lock), else ``compute()``, written to
+    disk; ``_BUSY`` (nothing kept) when ``wait`` is False and another process holds the lock."""
+    if key in memo:
+        return memo[key]
+    with store.locked(fields, wait) if store is not None else contextlib.nullcontext(True) as held:
+        if not held:
+            return _BUSY
+        cfg = _load(store, fields, configs)
+        if cfg is MISSING:
+            cfg = compute()
+            if cfg is _BUSY:
+                return _BUSY
+            if store is not None:
+                store.save(fields, None if cfg is None else dataclasses.asdict(cfg))
+    memo[key] = cfg
     return cfg
+
+
+def _load(store: TuningStore | None, fields: dict, configs: list[GemvConfig]):
+    return store.load(fields, functools.partial(_parse, configs=configs)) if store is not None else MISSING
 
 
 def _device_info(device: torch.device) -> tuple[str, int]:
@@ -277,12 +308,19 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
+def _weight_fields(wkey: tuple, gpu: str, sms: int, configs: list[GemvConfig]) -> dict:
+    """A stored winner's key: everything that changes which config is fastest for the weight."""
+    n, k, dtype, bias, _ = wkey  # not the device index: ranks on other GPUs of the model share it
+    return {"kernel": "gemv", "level": "weight", "timed_rows": MAX_ROWS, "gpu": gpu, "sms": sms,
+            "torch": torch.__version__, "triton": _triton_version(), "source": _source_hash(),
+            "configs": hashlib.sha256(repr(configs).encode()).hexdigest()[:16],
+            "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "bias": bool(bias)}
+
+
 def _fields(key: tuple, gpu: str, sms: int, configs: list[GemvConfig]) -> dict:
-    """A stored result's key: everything that changes which config wins."""
-    rows, n, k, dtype, bias, _ = key  # not the device index: ranks on other GPUs of the model share it
-    return {"kernel": "gemv", "gpu": gpu, "sms": sms, "torch": torch.__version__, "triton": _triton_version(),
-            "source": _source_hash(), "configs": hashlib.sha256(repr(configs).encode()).hexdigest()[:16],
-            "rows": rows, "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "bias": bool(bias)}
+    """A stored result's key: the weight's (``_weight_fields``) and the rows. The ``level`` field
+    keeps the two kinds of record apart, and records of the one-level tuner (no ``level``) unread."""
+    return {**_weight_fields(key[1:], gpu, sms, configs), "level": "rows", "rows": key[0]}
 
 
 def _parse(value, configs: list[GemvConfig]) -> GemvConfig | None:
@@ -331,35 +369,55 @@ def _compile_threads() -> int:
     return max(1, min(16, cpus))
 
 
-def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: list[GemvConfig]) -> GemvConfig | None:
+def _time(fn, what: object, w: torch.Tensor) -> float:
+    """``_bench(fn)``; infinite (logged) when ``what`` (a config that does not compile or fit) fails."""
+    try:
+        return _bench(fn)
+    except Exception as e:  # noqa: BLE001 - a config that fails is skipped, never a run
+        log.debug("shapewise gemv: %s failed for weight=%s: %s", what, tuple(w.shape), e)
+        return float("inf")
+
+
+def _tune_weight(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 configs: list[GemvConfig]) -> GemvConfig | None:
+    """The fastest of ``configs`` for ``w`` (None: none ran), timed at ``MAX_ROWS`` random rows
+    like ``x``'s. One row count stands for all: the kernel pads the rows to its 16-row tile
+    (masked loads and stores), so every row count streams the same weight in the same tiles and
+    one config is fastest for all (up to noise); the full tile is the most work any of them does."""
+    if x.shape[0] != MAX_ROWS:
+        g = torch.Generator(x.device).manual_seed(0)
+        x = torch.randn(MAX_ROWS, x.shape[1], dtype=x.dtype, device=x.device, generator=g)
     t0 = time.perf_counter()
     _precompile(x, w, b, configs)
     t1 = time.perf_counter()
     best, best_ms = None, float("inf")
     for cfg in configs:
-        try:
-            ms = _bench(lambda cfg=cfg: _launch(x, w, b, cfg))
-        except Exception as e:  # a config that does not compile or fit is skipped
-            log.debug("shapewise gemv: config %s failed for %s: %s", cfg, _key(x, w, b), e)
-            continue
+        ms = _time(lambda cfg=cfg: _launch(x, w, b, cfg), cfg, w)
         if ms < best_ms:
             best, best_ms = cfg, ms
-    try:
-        linear_ms = _bench(lambda: F.linear(x, w, b))
-    except Exception:
-        linear_ms = float("inf")
-    _count(shapes=1, configs=len(configs), compile_s=t1 - t0, timing_s=time.perf_counter() - t1)
+    t2 = time.perf_counter()
+    _count(weights=1, weight_timings=len(configs), compile_s=t1 - t0, weight_timing_s=t2 - t1, timing_s=t2 - t1)
     if best is None:
-        log.warning("shapewise gemv: no kernel config ran for rows=%d weight=%s; using F.linear",
-                    x.shape[0], tuple(w.shape))
-    elif linear_ms < best_ms:
-        log.info("shapewise gemv: F.linear (%.1f us) beats the kernel (%.1f us, %s) at rows=%d weight=%s",
-                 linear_ms * 1e3, best_ms * 1e3, best, x.shape[0], tuple(w.shape))
-        return None
+        log.warning("shapewise gemv: no kernel config ran for weight=%s; using F.linear", tuple(w.shape))
     return best
 
 
-_STATS = {"shapes": 0, "configs": 0, "compile_s": 0.0, "timing_s": 0.0}
+def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, best: GemvConfig) -> GemvConfig | None:
+    """``best`` (the weight's winner, ``_tune_weight``) against ``F.linear`` at ``x``'s rows:
+    the faster (None: ``F.linear``); whether cuBLAS wins changes with the row count."""
+    t0 = time.perf_counter()
+    best_ms, linear_ms = _time(lambda: _launch(x, w, b, best), best, w), _time(lambda: F.linear(x, w, b), "F.linear", w)
+    dt = time.perf_counter() - t0
+    _count(shapes=1, shape_timings=2, shape_timing_s=dt, timing_s=dt)
+    if linear_ms < best_ms:
+        log.info("shapewise gemv: F.linear (%.1f us) beats the kernel (%.1f us, %s) at rows=%d weight=%s",
+                 linear_ms * 1e3, best_ms * 1e3, best, x.shape[0], tuple(w.shape))
+        return None
+    return best if best_ms < float("inf") else None
+
+
+_STATS = {"weights": 0, "weight_timings": 0, "compile_s": 0.0, "weight_timing_s": 0.0,
+          "shapes": 0, "shape_timings": 0, "shape_timing_s": 0.0, "timing_s": 0.0}
 
 
 def _count(**add: float) -> None:
@@ -369,13 +427,15 @@ def _count(**add: float) -> None:
 
 
 def tuning_stats() -> dict[str, float]:
-    """What this process's tuning did so far: shapes timed, configs timed, seconds compiling
-    (``_precompile``'s wall time) and seconds timing. Shapes read from memory or disk count nothing."""
+    """What this process's tuning did so far. Per weight: ``weights`` tuned, ``weight_timings``
+    (configs timed), ``compile_s`` (``_precompile``'s wall time), ``weight_timing_s``. Per row
+    count: ``shapes`` tuned, ``shape_timings`` (its weight's config and ``F.linear``: two a shape),
+    ``shape_timing_s``. ``timing_s``: both levels. What memory or disk held counts nothing."""
     with _STATS_LOCK:
         return dict(_STATS)
 
 
-_TIMED_CODE = (_kernel.__wrapped__, _launch, _tune)  # what ``_source_hash`` covers, bound at import
+_TIMED_CODE = (_kernel.__wrapped__, _launch, _tune_weight, _tune)  # what ``_source_hash`` covers, bound at import
 _MAX_OFFSET = 2**31 - 1  # the kernel's pointer offsets are 32-bit
 
 

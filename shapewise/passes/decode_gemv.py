@@ -16,9 +16,11 @@ a custom-op boundary that Inductor cannot fuse through).
 The pass also tunes the kernel for each (rows, N, K, dtype, bias) it rewrites, at compile time
 (``shapewise.kernels.gemv.tune``; on a CUDA device with Triton, outside fake-tensor tracing and
 CUDA graph capture), skipping shapes already in memory or on disk (``<shapewise cache>/gemv-tuning/``).
-Tensor-parallel ranks sharing the cache folder divide the work: a rank leaves a shape that
-another one is tuning (its file lock is held) to it, and the op's first call reads the result
-from disk.
+Tuning has two levels: each weight's candidate configs are timed once (its first row count), and
+each row count then times only that weight's config against ``F.linear``.
+Tensor-parallel ranks sharing the cache folder divide the work: a rank leaves a shape, or a
+weight, that another one is tuning (its file lock is held) to it, and the op's first call reads
+the result from disk (and, for a weight, times its config against ``F.linear`` there).
 """
 
 from __future__ import annotations

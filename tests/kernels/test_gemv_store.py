@@ -1,5 +1,6 @@
 """``shapewise::gemv``'s tuning results on disk (``shapewise.kernels.store``): round trips, keys,
-broken files, the cache switch, concurrent writers, and ``DecodeGemv`` tuning at compile time.
+broken files, the cache switch, concurrent writers, the two tuning levels (candidates timed once
+per weight, the winner against F.linear per row count), and ``DecodeGemv`` tuning at compile time.
 
 On the CPU a stand-in GPU replaces the timing (``_bench``), the launch and the device query, so
 the real lookup and tuner run; the GPU test (marker ``gpu``) tunes a real shape."""
@@ -13,6 +14,7 @@ import multiprocessing
 import threading
 import time
 import types
+from collections import Counter
 
 import pytest
 import torch
@@ -28,12 +30,14 @@ SHAPE = dict(rows=2, n=64, k=256, dtype=torch.bfloat16, bias=True)
 
 
 class StandInGpu:
-    """Times ``fastest`` at 1 ms, other configs at 2 ms and F.linear at ``linear_ms``; counts tunes."""
+    """Times ``fastest`` at 1 ms, other configs at 2 ms (or ``kernel_ms(cfg, rows)``) and F.linear
+    at ``linear_ms`` (a number, or a function of the rows); counts tunes (F.linear timings) and,
+    in ``benched``, every timing by (config or "linear", rows)."""
 
-    def __init__(self, monkeypatch, name: str = "Stand-in GPU", linear_ms: float = 5.0, delay: float = 0.0):
-        self.name, self.linear_ms, self.delay = name, linear_ms, delay
+    def __init__(self, monkeypatch, name: str = "Stand-in GPU", linear_ms=5.0, delay: float = 0.0, kernel_ms=None):
+        self.name, self.linear_ms, self.delay, self.kernel_ms = name, linear_ms, delay, kernel_ms
         self.fastest = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)[3]
-        self.tunes, self._last = 0, None
+        self.tunes, self._last, self.benched = 0, None, Counter()
         monkeypatch.setattr(gemv, "_device_info", lambda device: (self.name, 132))
         monkeypatch.setattr(gemv, "_capturing", lambda: False)  # no CUDA query (a forked child cannot make one)
         monkeypatch.setattr(gemv, "_launch", self._launch)
@@ -41,26 +45,36 @@ class StandInGpu:
         monkeypatch.setattr(gemv, "_bench", self._bench)
 
     def _launch(self, x, w, b, cfg):
-        self._last = cfg
+        self._last = (cfg, x.shape[0])
 
     def _linear(self, x, w, b=None):
-        self._last = "linear"
+        self._last = ("linear", x.shape[0])
 
     def _bench(self, fn) -> float:
         fn()
         time.sleep(self.delay)
-        if self._last == "linear":
-            self.tunes += 1  # F.linear is timed once per tune, last
-            return self.linear_ms
-        return 1.0 if self._last == self.fastest else 2.0
+        self.benched[self._last] += 1
+        what, rows = self._last
+        if what == "linear":
+            self.tunes += 1  # F.linear is timed once per tune
+            return self.linear_ms(rows) if callable(self.linear_ms) else self.linear_ms
+        if self.kernel_ms is not None:
+            return self.kernel_ms(what, rows)
+        return 1.0 if what == self.fastest else 2.0
 
 
 @pytest.fixture
 def store(tmp_path, monkeypatch) -> TuningStore:
     monkeypatch.setenv("SHAPEWISE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("SHAPEWISE_GEMV_TUNE", raising=False)
-    monkeypatch.setattr(gemv, "_TUNED", {})
+    _forget(monkeypatch)
     return TuningStore.default("gemv")
+
+
+def _forget(monkeypatch) -> None:
+    """Empty the tuner's memory (both levels), as in a process started later."""
+    monkeypatch.setattr(gemv, "_TUNED", {})
+    monkeypatch.setattr(gemv, "_WINNERS", {})
 
 
 def _files(store: TuningStore) -> list:
@@ -177,6 +191,119 @@ def test_processes_sharing_the_folder_tune_a_shape_once(store, monkeypatch):
         p.join(timeout=30)
     assert sorted(tunes) == [0, 1] and len(_files(store)) == 1
     assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest and gpu.tunes == 0  # this process reads it too
+
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+def _row(rows: int) -> dict:
+    return {**SHAPE, "rows": rows}
+
+
+def _weight_files(store: TuningStore) -> list:
+    return _files(TuningStore(store.folder / "weights"))
+
+
+def _delta(before: dict) -> dict:
+    return {name: value - before[name] for name, value in gemv.tuning_stats().items() if not name.endswith("_s")}
+
+
+def test_a_weights_candidates_are_timed_once_and_each_row_count_times_two(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)
+    before = gemv.tuning_stats()
+    assert [gemv.tune(**_row(r), device="cpu") for r in ROWS] == [gpu.fastest] * len(ROWS)
+    # every candidate once, at the kernel's full tile; then per row count its winner and F.linear, at the real rows
+    want = Counter({(cfg, gemv.MAX_ROWS): 1 for cfg in configs})
+    want.update({(what, r): 1 for r in ROWS for what in (gpu.fastest, "linear")})
+    assert gpu.benched == want
+    assert _delta(before) == {"weights": 1, "weight_timings": len(configs), "shapes": 5, "shape_timings": 10}
+    assert len(_files(store)) == 5 and len(_weight_files(store)) == 1
+
+
+def test_f_linear_can_win_at_some_row_counts_and_the_config_is_chosen_at_the_full_tile(store, monkeypatch):
+    configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)
+    other = configs[0]  # fastest at one row (never timed there), slower than ``fastest`` at the full tile
+    gpu = StandInGpu(monkeypatch, linear_ms=lambda rows: 0.5 if rows == 16 else 5.0,
+                     kernel_ms=lambda cfg, rows: {gpu.fastest: 1.0, other: 0.1 if rows == 1 else 3.0}.get(cfg, 2.0))
+    assert gemv.tune(**_row(16), device="cpu") is None  # cuBLAS wins at 16 rows...
+    assert gemv.tune(**_row(1), device="cpu") == gpu.fastest  # ...not at 1, where the weight's config runs
+    assert gpu.benched[(other, 1)] == 0 and gpu.benched[(other, 16)] == 1
+    _forget(monkeypatch)
+    benched = sum(gpu.benched.values())
+    assert gemv.tune(**_row(16), device="cpu") is None and gemv.tune(**_row(1), device="cpu") == gpu.fastest
+    assert sum(gpu.benched.values()) == benched  # read back from disk
+
+
+def _tune_rows_in_child(conn) -> None:
+    for r in ROWS:
+        gemv.tune(**_row(r), device="cpu")
+    conn.send(sum(gemv._bench.__self__.benched.values()))
+
+
+def test_a_second_process_times_nothing_and_a_new_row_count_times_only_two(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)
+    parent, child = multiprocessing.get_context("fork").Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_tune_rows_in_child, args=(child,))
+    proc.start()
+    child.close()
+    assert (parent.recv() if parent.poll(60) else None) == len(configs) + 2 * len(ROWS)
+    proc.join(timeout=30)
+    assert [gemv.tune(**_row(r), device="cpu") for r in ROWS] == [gpu.fastest] * len(ROWS) and not gpu.benched
+    assert gemv.tune(**_row(3), device="cpu") == gpu.fastest  # the weight's config from disk
+    assert gpu.benched == Counter({(gpu.fastest, 3): 1, ("linear", 3): 1})
+
+
+@pytest.mark.parametrize("broken", ["{not json", "", '{"format": 1, "key": KEY, "value": {"block_n": 7, "block_k": 3}}',
+                                    '{"format": 1, "key": ROWKEY, "value": null}'])
+def test_a_broken_weight_file_warns_is_timed_again_and_rewritten(store, monkeypatch, caplog, broken):
+    gpu = StandInGpu(monkeypatch)
+    gemv.tune(**SHAPE, device="cpu")
+    ((path,), (row,)) = _weight_files(store), _files(store)
+    key, row_key = (json.dumps(json.loads(p.read_text())["key"]) for p in (path, row))
+    path.write_text(broken.replace("ROWKEY", row_key).replace("KEY", key))  # a row record in a weight's place
+    _forget(monkeypatch)
+    gpu.benched.clear()
+    with caplog.at_level(logging.WARNING, logger="shapewise"):
+        assert gemv.tune(**_row(5), device="cpu") == gpu.fastest
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"shapewise: ignoring the tuning file {path}"]
+    assert sum(n for (what, rows), n in gpu.benched.items() if rows == gemv.MAX_ROWS) == len(
+        gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132))
+    assert json.loads(path.read_text())["value"]["block_n"] == gpu.fastest.block_n
+
+
+def test_records_of_the_one_level_tuner_are_not_read(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)
+    fields = gemv._fields((2, 64, 256, torch.bfloat16, True, None), "Stand-in GPU", 132, configs)
+    old = {k: v for k, v in fields.items() if k != "level"}  # a key as the one-level tuner wrote it
+    store.save(old, {"block_n": configs[0].block_n, "block_k": configs[0].block_k, "split_k": configs[0].split_k,
+                     "num_warps": configs[0].num_warps, "num_stages": configs[0].num_stages})
+    assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest and gpu.tunes == 1
+
+
+def test_inside_a_capture_nothing_is_timed_and_a_known_weight_gives_its_config(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    assert gemv.tune(**_row(16), device="cpu") == gpu.fastest
+    _forget(monkeypatch)
+    gpu.benched.clear()
+    monkeypatch.setattr(gemv, "_capturing", lambda: True)
+    assert gemv.tune(**_row(3), device="cpu") == gpu.fastest  # the weight's config, from disk, untimed...
+    assert gemv.tune(**{**SHAPE, "n": 128}, device="cpu") == gemv.gemv_configs(128, SHAPE["k"], 132)[0]
+    assert not gpu.benched and not gemv._TUNED  # ...and not remembered for the row count
+    assert len(_files(store)) == 1 and len(_weight_files(store)) == 1
+
+
+def test_wait_false_leaves_a_weight_another_process_is_tuning_to_it(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)
+    weights = TuningStore(store.folder / "weights")
+    with weights.locked(gemv._weight_fields((64, 256, torch.bfloat16, True, None), "Stand-in GPU", 132, configs)):
+        t0 = time.perf_counter()
+        assert gemv.tune(**SHAPE, device="cpu", wait=False) is None  # at once, and not remembered
+        assert time.perf_counter() - t0 < 5 and not gpu.benched and not _files(store)
+    assert gemv.tune(**SHAPE, device="cpu", wait=False) == gpu.fastest
 
 
 def test_decode_gemv_hands_each_rewritten_shape_to_the_tuner(monkeypatch):

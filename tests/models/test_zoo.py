@@ -5,6 +5,7 @@ padded masks), T5 (source and target lengths named apart) and ViT (batch dynamic
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -79,14 +80,34 @@ def test_direct_call_on_a_decoder():
     # Past Dynamo's frame (direct_call): the arguments are items of the decorators' *args /
     # **kwargs, the result a CausalLMOutputWithPast rebuilt from the program's outputs.
     model = model_of("llama")
-    fast = sw.compile(model, dynamic_dims={"input_ids": 1}, sizes=[4, 16], splitting_ops=["sdpa"],
+    # Decode (1) is a second trace (seq > 1 in sdpa_attention_forward), with a direct call of its own.
+    fast = sw.compile(model, dynamic_dims={"input_ids": 1}, sizes=[1, 4, 16], splitting_ops=["sdpa"],
                       backend="aot_eager", direct_call=True)
-    for n in (4, 16, 4):
+    for n in (4, 16, 1, 4, 1, 16):
         ids = torch.randint(0, VOCAB, (2, n))
         out = fast(input_ids=ids, use_cache=False)
         assert type(out).__name__ == "CausalLMOutputWithPast"
         assert_same(out.logits, model(input_ids=ids, use_cache=False).logits, f"seq={n}")
-    assert fast.direct_info == "on" and fast._direct.calls == 2  # the first call armed it
+    assert fast.direct_info == "trace 1: on; trace 2 (n=1): on"
+    # Each trace's first call armed it; the call that made trace 2 went through Dynamo.
+    assert fast.direct_calls == 4 and fast.direct_fallbacks == 1
+
+
+@pytest.mark.gpu
+def test_decoder_full_and_piecewise_graphs_direct_call_on_cuda():
+    # What a server runs: full CUDA graphs at decode sizes, piecewise ones (sdpa eager between
+    # them) above, captured at start-up, called past Dynamo's frame; each size twice (capture,
+    # then replay) against eager on fresh inputs.
+    model = copy.deepcopy(model_of("llama")).cuda()
+    fast = sw.compile(model, dynamic_dims={"input_ids": 1}, sizes=[1, 2, 8, 16], splitting_ops=["sdpa"],
+                      backend="inductor", direct_call=True,
+                      cudagraphs={"mode": "full_and_piecewise", "full_up_to": 2, "capture": "startup"})
+    for n in (8, 2, 16, 1) * 2:
+        ids = torch.randint(0, VOCAB, (2, n), device="cuda")
+        assert_same(fast(input_ids=ids, use_cache=False).logits, model(input_ids=ids, use_cache=False).logits,
+                    f"seq={n}")
+    assert fast.traces == 2  # seq > 1 in sdpa_attention_forward, as above
+    assert fast.direct_info == "trace 1: on; trace 2 (n=1): on" and fast.direct_calls == 6
 
 
 @pytest.mark.inductor
