@@ -5,19 +5,20 @@ Per captured size, the first call runs each piece as compiled (a warm-up: lazy
 initialisation stays out of the graph), the second captures it into a graph in one memory
 pool shared by every piece and size and replays it, later calls only replay: every call does
 its work once.
-Inputs that come from outside the graphs (the caller's tensors, a splitting op's output) are
-copied into static buffers, one per (piece, input) allocated at the largest captured size
-(a call copies into a prefix view); parameters and the outputs of the previous captured piece
-are used in place, as are tensors marked with ``torch._dynamo.mark_static_address`` (a
-static KV cache, which the graph writes in place). A piece with a host tensor input is not
-captured (a replay would skip its host work) and runs as compiled. Graph outputs live in the pool and are
-overwritten by the next call, so the model's final outputs are cloned before they are
+Inputs that come from outside the graphs are copied into static buffers allocated at the
+largest captured size (a call copies into a prefix view): the caller's tensors once per call
+(``StagedInputs``; every piece then reads them in place), a splitting op's output once per piece
+that reads it. Parameters and the outputs of earlier captured pieces are used in place, as are
+tensors marked with ``torch._dynamo.mark_static_address`` (a static KV cache, which the graph
+writes in place). A piece with a host tensor input is not captured (a replay would skip its
+host work) and runs as compiled. Graph outputs live in the pool and are overwritten by the
+next call, so the model's final outputs are cloned before they are
 returned (``copy_outputs``).
 
 ``mode="full"`` captures one graph per size around the whole forward (splitting ops included);
 ``"full_and_piecewise"`` (vLLM's default) does that for the sizes up to ``full_up_to`` (decode)
 and piecewise graphs above. ``capture="startup"`` captures every size when the model is compiled
-(``capture_now``: dummy inputs, a progress bar, the memory the graphs took reported) instead of
+(``capture.capture_now``: dummy inputs, a progress bar, the memory the graphs took reported) instead of
 on the first two calls at each size.
 """
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -44,7 +44,7 @@ from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
 from shapewise.passes.base import Pass, register_pass
 
-__all__ = ["MODES", "CudaGraphs", "GraphedPiece", "capture_now", "dummy_inputs", "graph_memory", "graphed_pieces"]
+__all__ = ["MODES", "CudaGraphs", "GraphedPiece", "StagedInputs", "graphed_pieces", "is_fixed", "staged_inputs"]
 
 #: The capture modes: piecewise graphs, one full graph per size, or full up to a size and piecewise above.
 MODES = ("piecewise", "full", "full_and_piecewise")
@@ -178,6 +178,50 @@ class GraphedPiece:
         for i, static in self.write_back:
             args[i].copy_(static)
         return outputs
+
+
+class StagedInputs:
+    """Piecewise graphs at one size: the caller's tensors copied once per call into static
+    buffers that every graph reads in place (a graph input several pieces read, such as the
+    residual stream of the first layer, is not copied once per piece). Which inputs are staged
+    is decided on the first call: the CUDA tensors that are not used at their own address
+    (``is_fixed``) and that no piece writes in place (those keep the pieces' copy-in and
+    write-back)."""
+
+    def __init__(self, run: Callable[..., Any], key: tuple, pool: _Pool, buffers: Sequence[_Buffer | None],
+                 written: frozenset[int]) -> None:
+        self.run = run
+        self.__wrapped__ = run
+        self.key = key
+        self.pool = pool
+        self.buffers = list(buffers)
+        self.written = written
+        self.slots: list[tuple[int, torch.Tensor]] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        slots = self.slots
+        if slots is None:
+            slots = self._decide(args)
+        if slots:
+            args = list(args)
+            for i, static in slots:
+                static.copy_(args[i])
+                args[i] = static
+        return self.run(*args)
+
+    def _decide(self, args: tuple) -> list[tuple[int, torch.Tensor]]:
+        slots = []
+        with self.pool.lock:
+            live = self.pool.static_ptrs.setdefault(self.key, set())
+            for i, a in enumerate(args):
+                buf = self.buffers[i] if i < len(self.buffers) else None
+                if buf is None or not isinstance(a, torch.Tensor) or not a.is_cuda or is_fixed(a) or i in self.written:
+                    continue
+                static = buf.view(self.key)
+                live.add(static.data_ptr())  # the pieces read it in place, as an earlier graph's output
+                slots.append((i, static))
+        self.slots = slots
+        return slots
 
 
 def is_fixed(t: torch.Tensor) -> bool:
@@ -344,6 +388,11 @@ class CudaGraphs(Pass):
         whole_buffers = ([_Buffer(meta, layouts) if layouts is not None else None for meta, layouts in
                           zip(shapes.inputs, buffer_layouts(shapes.inputs, shapes.symbols, whole_keys))]
                          if full else [])
+        pieces_keys = [(k, b) for k, b in keys if k not in full]
+        staged_buffers = ([_Buffer(meta, layouts) if layouts is not None else None for meta, layouts in
+                           zip(shapes.inputs, buffer_layouts(shapes.inputs, shapes.symbols, pieces_keys))]
+                          if pieces_keys else [])
+        written = frozenset(mutated_inputs(program.gm))
         overrides = {}
         for key, binding in keys:
             callables = program.callables(binding)
@@ -353,6 +402,8 @@ class CudaGraphs(Pass):
             run = make_runner(program.graph, callables)
             if key in full:
                 run = GraphedPiece(run, "forward", key, pool, whole_buffers)
+            else:
+                run = StagedInputs(run, key, pool, staged_buffers, written)
             overrides[key] = _copy_out(run) if self.copy_outputs else run
         if self.pad:
             overrides.update(padded_entries(program, overrides))
@@ -381,90 +432,14 @@ def graphed_pieces(program: Program) -> list[GraphedPiece]:
         if isinstance(run, GraphedPiece):
             out.append(run)
             continue
+        run = run.run if isinstance(run, StagedInputs) else run
         for value in getattr(run, "__globals__", {}).values():
             if isinstance(value, GraphedPiece):
                 out.append(value)
     return out
 
 
-
-def dummy_inputs(program: Program, key: tuple, example_inputs: Sequence[Any],
-                 written: frozenset[int] = frozenset()) -> list[Any]:
-    """The graph's inputs at the size ``key``, for capturing it before any real call: inputs
-    whose layout depends on a dynamic size become zeros at that size's layout; inputs the graph
-    writes (``written``: positions) that graphs copy in become copies, so the caller's tensors are
-    not written; the rest (parameters, buffers, a static KV cache, fixed-size inputs) are the
-    example inputs themselves, as the real calls will pass them (``capture_now`` restores the
-    ones of those the graph writes)."""
-    shapes = program.shapes
-    values = dict(zip(shapes.symbols, key))
-    out = []
-    for i, (meta, example) in enumerate(zip(shapes.inputs, example_inputs)):
-        if isinstance(meta, sympy.Basic):
-            out.append(int(meta.subs(values)))
-        elif not isinstance(example, torch.Tensor) or is_fixed(example):
-            out.append(example)
-        elif isinstance(meta, TensorMeta) and any(getattr(e, "free_symbols", None)
-                                                  for e in (*meta.shape, *meta.stride, meta.offset)):
-            shape, stride, offset = meta.at(values)
-            storage = torch.zeros(max(_compat.storage_length(shape, stride, offset), 1), dtype=meta.dtype,
-                                  device=example.device)
-            out.append(storage.as_strided(shape, stride, offset))
-        elif i in written:
-            out.append(torch.empty_strided(example.shape, example.stride(), dtype=example.dtype,
-                                           device=example.device).copy_(example))
-        else:
-            out.append(example)
-    return out
-
-
-def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool | None = None) -> dict[str, Any]:
-    """Capture every size of a program that ``CudaGraphs`` made, now, on dummy inputs
-    (``dummy_inputs``), largest first: each size runs once (its warm-up) and is captured.
-
-    Inputs the graph writes in place are left as they were: those graphs copy in get copies as
-    dummies, and those used at their own address (a static KV cache, parameters) are restored
-    from a snapshot afterwards (so a cache written since start-up keeps its contents; the snapshot
-    costs one copy of each such tensor while capturing). Returns (and logs) the sizes captured,
-    the seconds it took and the bytes the graphs hold (``graph_memory``)."""
-    from tqdm import tqdm
-
-    keys = list(program.cudagraph_keys)
-    if not keys:
-        raise ConfigError("capture_now: the program has no CUDA-graph sizes (CudaGraphs found no compiled single "
-                          "size to capture; give capture_sizes)")
-    start = time.perf_counter()
-    show = progress if progress is not None else logging.getLogger("shapewise").isEnabledFor(logging.INFO)
-    written = mutated_inputs(program.gm)
-    kept = [t for i, t in enumerate(example_inputs) if i in written and isinstance(t, torch.Tensor) and is_fixed(t)]
-    with torch.no_grad():
-        snapshots = [t.clone() for t in kept]
-    try:
-        for key in tqdm(sorted(keys, reverse=True), desc="shapewise capture", unit="size", disable=not show,
-                        leave=False):
-            args = dummy_inputs(program, key, example_inputs, written)
-            run = program.dispatch.exact[key]
-            run(*args)  # warm-up
-            run(*args)  # capture
-    finally:
-        with torch.no_grad():
-            for t, snapshot in zip(kept, snapshots):
-                t.copy_(snapshot)  # undo the dummy calls' writes to a static KV cache (or parameters)
-    torch.cuda.synchronize()
-    info = {"sizes": [program.dispatch.describe_key(k) for k in sorted(keys)],
-            "seconds": round(time.perf_counter() - start, 3), **graph_memory(program)}
-    log.info("shapewise: captured %d CUDA graph size(s) at start-up in %.1f s; graph pool %.1f MiB, static input "
-             "buffers %.1f MiB", len(keys), info["seconds"], info["pool_bytes"] / 2**20, info["buffers_bytes"] / 2**20)
-    return info
-
-
-def graph_memory(program: Program) -> dict[str, float]:
-    """The device memory a program's CUDA graphs hold, in bytes: their shared pool (the segments
-    the caching allocator keeps for it) and the static input buffers."""
-    pieces = graphed_pieces(program)
-    pools = {tuple(p.pool.handle) for p in pieces if p.pool.handle is not None}
-    pool_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-                     if tuple(seg.get("segment_pool_id", ())) in pools)
-    buffers = {id(b): b for p in pieces for b in p.buffers if b is not None and b.storage is not None}
-    buffer_bytes = sum(b.storage.numel() * b.storage.element_size() for b in buffers.values())
-    return {"pool_bytes": pool_bytes, "buffers_bytes": buffer_bytes}
+def staged_inputs(program: Program) -> list[StagedInputs]:
+    """Every StagedInputs (piecewise sizes' copy-in of the caller's tensors) in the dispatch table."""
+    return [run for fn in program.dispatch.exact.values()
+            if isinstance(run := getattr(fn, "__wrapped__", fn), StagedInputs)]

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from shapewise.concretize import attach_variants, make_bindings
-from shapewise.dispatch.cudagraphs import capture_now
+from shapewise.dispatch.capture import capture_now
 from shapewise.dispatch.guards import InputGuards
 from shapewise.dispatch.table import DispatchTable
 from shapewise.errors import CompileError

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import shapewise as sw
-from shapewise.dispatch.cudagraphs import CudaGraphs, graphed_pieces
-from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, ToyTransformer
+from shapewise.dispatch.cudagraphs import CudaGraphs, graphed_pieces, staged_inputs
+from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, ToyTransformer, attention
 from tests.helpers import assert_same, column_major_after, dynamo_graph
 
 
@@ -192,7 +192,7 @@ def test_mode_capture_and_full_up_to_are_checked_and_full_and_piecewise_splits_b
 
 
 def test_dummy_inputs_take_each_sizes_layout_and_keep_fixed_inputs_as_passed():
-    from shapewise.dispatch.cudagraphs import dummy_inputs
+    from shapewise.dispatch.capture import dummy_inputs
 
     weight = torch.nn.Parameter(torch.randn(6, 6))
     gm = dynamo_graph(lambda x, w: x @ w, torch.randn(6, 5).t(), weight)  # x: a column-major [5, 6] view
@@ -238,7 +238,38 @@ def test_an_attention_that_writes_its_output_costs_no_copy_between_graphs():
             assert_same(graphed(ids), model(ids))
     pieces = graphed_pieces(graphed.program)
     assert len(pieces) == 3 and all(p.graph is not None for p in pieces)
-    assert sum(len(p.copy_slots) for p in pieces) == 1  # the ids, into the first graph
+    assert sum(len(p.copy_slots) for p in pieces) == 0
+    assert [len(s.slots) for s in staged_inputs(graphed.program)] == [1]  # the ids, copied in once
+
+
+class Residual(torch.nn.Module):
+    """The caller's x is read by the graph before the attention op and by the one after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], 3, 2, 16).unbind(1)
+        return x + self.o(attention(q, k, v).reshape(x.shape[0], 32))
+
+
+@pytest.mark.gpu
+def test_the_callers_input_is_copied_in_once_for_every_graph_that_reads_it():
+    torch.manual_seed(0)
+    model = Residual().cuda()
+    graphed = sw.compile(model, sizes=[4, 8], splitting_ops=[ATTENTION_OP], backend="inductor", cudagraphs=True)
+    with torch.no_grad():
+        for n in (4, 8, 4, 8, 4, 8):
+            x = torch.randn(n, 32, device="cuda")
+            assert_same(graphed(x), model(x), f"n={n}")
+            x.mul_(-1)  # the caller writes its tensor between calls: the next call reads the new values
+            assert_same(graphed(x), model(x), f"n={n}, written")
+    pieces = graphed_pieces(graphed.program)
+    assert all(p.graph is not None and p.fallbacks == 0 for p in pieces)
+    for key in ((4,), (8,)):
+        assert sum(len(p.copy_slots) for p in pieces if p.key == key) == 1  # the attention's output
+        assert [len(s.slots) for s in staged_inputs(graphed.program) if s.key == key] == [1]  # x, once
 
 
 def _accumulate_static(x, total, cache):
@@ -248,7 +279,7 @@ def _accumulate_static(x, total, cache):
 
 
 def test_dummy_inputs_never_hand_the_graph_a_tensor_of_the_callers_to_write():
-    from shapewise.dispatch.cudagraphs import dummy_inputs
+    from shapewise.dispatch.capture import dummy_inputs
     from shapewise.ir.effects import mutated_inputs
 
     cache = torch.zeros(3)
