@@ -131,7 +131,7 @@ def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
     call, the runner, then per piece its graphed call, and the floor under it: the graph's
     replay alone, the copies into its static inputs alone, each splitting op's call alone. What
     the pieces' sum leaves of the runner, and the runner of the call, is shapewise's Python."""
-    from shapewise.dispatch.cudagraphs import GraphedPiece, _clone_tensors
+    from shapewise.dispatch.graphed import GraphedPiece, clone_tensors
 
     runnable, args = capture_runnable_args(fast, x)
     run = runnable._exact[runnable._key(args)]
@@ -154,7 +154,7 @@ def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
         "call (direct or Dynamo, runnable, runner, output clone)": lambda: fast(x),
         "runnable (key + lookup + runner + output clone)": lambda: runnable(*args),
         "runner (generated, pieces in order)": lambda: runner(*runner_args),
-        "output clone": lambda: _clone_tensors(out),
+        "output clone": lambda: clone_tensors(out),
     }
     floor = ["output clone"]
     if statics:

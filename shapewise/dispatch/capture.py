@@ -88,13 +88,15 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
     info = {"sizes": [program.dispatch.describe_key(k) for k in sorted(keys)],
             "seconds": round(time.perf_counter() - start, 3), **graph_memory(program)}
     log.info("shapewise: captured %d CUDA graph size(s) at start-up in %.1f s; graph pool %.1f MiB, static input "
-             "buffers %.1f MiB", len(keys), info["seconds"], info["pool_bytes"] / 2**20, info["buffers_bytes"] / 2**20)
+             "buffers %.1f MiB, splitting ops' pools %.1f MiB", len(keys), info["seconds"], info["pool_bytes"] / 2**20,
+             info["buffers_bytes"] / 2**20, info["split_pools_bytes"] / 2**20)
     return info
 
 
 def graph_memory(program: Program) -> dict[str, float]:
     """The device memory a program's CUDA graphs hold, in bytes: their shared pool (the segments
-    the caching allocator keeps for it) and the static input buffers."""
+    the caching allocator keeps for it), the static input buffers, and the private pools the
+    splitting ops of piecewise sizes allocate their outputs in."""
     pieces = graphed_pieces(program)
     pools = {tuple(p.pool.handle) for p in pieces if p.pool.handle is not None}
     pool_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
@@ -102,4 +104,7 @@ def graph_memory(program: Program) -> dict[str, float]:
     buffers = {id(b): b for p in [*pieces, *staged_inputs(program)] for b in p.buffers
                if b is not None and b.storage is not None}
     buffer_bytes = sum(b.storage.numel() * b.storage.element_size() for b in buffers.values())
-    return {"pool_bytes": pool_bytes, "buffers_bytes": buffer_bytes}
+    split_pools = {id(p.group.split_pool): p.group.split_pool for p in pieces
+                   if p.group is not None and p.group.split_pool is not None}
+    return {"pool_bytes": pool_bytes, "buffers_bytes": buffer_bytes,
+            "split_pools_bytes": sum(sp.bytes() for sp in split_pools.values())}

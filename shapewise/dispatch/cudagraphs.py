@@ -25,7 +25,6 @@ on the first two calls at each size.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -37,220 +36,29 @@ import torch.fx
 from shapewise import _compat
 from shapewise._compat import evaluate_at
 from shapewise.concretize import resolve_names
+from shapewise.dispatch.graphed import (
+    GraphedPiece,
+    GraphPool,
+    SizeGraphs,
+    StagedInputs,
+    StaticBuffer,
+    clone_tensors,
+    is_fixed,
+)
 from shapewise.dispatch.padding import padded_entries
 from shapewise.errors import ConfigError
-from shapewise.ir.effects import mutated_inputs
+from shapewise.ir.effects import aliased_outputs, mutated_inputs
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
 from shapewise.passes.base import Pass, register_pass
 
-__all__ = ["MODES", "CudaGraphs", "GraphedPiece", "StagedInputs", "graphed_pieces", "is_fixed", "staged_inputs"]
+__all__ = ["MODES", "CudaGraphs", "GraphedPiece", "SizeGraphs", "StagedInputs", "graphed_pieces", "is_fixed",
+           "staged_inputs"]
 
 #: The capture modes: piecewise graphs, one full graph per size, or full up to a size and piecewise above.
 MODES = ("piecewise", "full", "full_and_piecewise")
 
 log = logging.getLogger("shapewise")
-
-
-class _Pool:
-    """The memory pool and the addresses of graph outputs, per captured size."""
-
-    def __init__(self) -> None:
-        self.handle = None
-        self.static_ptrs: dict[tuple, set[int]] = {}
-        self.lock = threading.Lock()
-
-    def get(self):
-        if self.handle is None:
-            self.handle = torch.cuda.graph_pool_handle()
-        return self.handle
-
-
-class _Buffer:
-    """One static input buffer of a piece, sized for the largest captured layout."""
-
-    def __init__(self, meta: TensorMeta, layouts: Mapping[tuple, tuple[list[int], list[int], int]]) -> None:
-        self.meta = meta
-        self.layouts = dict(layouts)
-        self.storage: torch.Tensor | None = None
-
-    def view(self, key: tuple) -> torch.Tensor:
-        if self.storage is None:
-            length = max(_compat.storage_length(shape, stride, off) for shape, stride, off in self.layouts.values())
-            self.storage = torch.empty(max(length, 1), dtype=self.meta.dtype, device=self.meta.device)
-        shape, stride, off = self.layouts[key]
-        return self.storage.as_strided(shape, stride, off)
-
-
-class GraphedPiece:
-    """A compiled piece at one size: warm-up, capture and replay on first call; replay after."""
-
-    def __init__(self, fn: Callable[..., Any], name: str, key: tuple, pool: _Pool,
-                 buffers: Sequence[_Buffer | None]) -> None:
-        self.fn = fn
-        self.name = name
-        self.key = key
-        self.pool = pool
-        self.buffers = list(buffers)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.outputs: Any = None
-        self.copy_slots: list[tuple[int, torch.Tensor]] = []
-        self.write_back: list[tuple[int, torch.Tensor]] = []  # copied inputs the graph writes in place
-        self.fixed_slots: list[tuple[int, int]] = []
-        self.mutated: set[int] = set()  # inputs the warm-up wrote in place (their version moved)
-        self.warmed = False
-        self.uncaptured: str | None = None  # why this piece runs without a graph (a host tensor input)
-        self.fallbacks = 0
-
-    def __call__(self, *args: Any) -> Any:
-        graph = self.graph
-        if graph is None:
-            if self.uncaptured:
-                return self.fn(*args)
-            return self._capture(args) if self.warmed else self._warm_up(args)
-        for i, ptr in self.fixed_slots:
-            if args[i].data_ptr() != ptr:
-                return self._fallback(args, i)
-        for i, static in self.copy_slots:
-            static.copy_(args[i])
-        graph.replay()
-        for i, static in self.write_back:
-            args[i].copy_(static)
-        return self.outputs
-
-    def _fallback(self, args: tuple, i: int) -> Any:
-        # A parameter (or an upstream output) moved since capture: the graph would read the
-        # old memory. Run the compiled piece directly instead: right, just not graphed.
-        if self.fallbacks == 0:
-            log.warning("shapewise: %s at %s: input %d is not at its captured address; running it "
-                        "without its CUDA graph", self.name, self.key, i)
-        self.fallbacks += 1
-        return self.fn(*args)
-
-    def _warm_up(self, args: tuple) -> Any:
-        """The first call at this size: run as compiled (lazy initialisation stays out of the
-        graph), noting which inputs it writes in place. Capture waits for the next call, so
-        every call does its work once (a graph that writes a KV cache would write it twice)."""
-        self.warmed = True
-        host = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not a.is_cuda]
-        if host:
-            # Work on host tensors is not recorded in a graph (a replay would skip it), and a copy
-            # from pageable host memory cannot be captured: run this one as compiled, every call
-            # (transformers' static cache counter lives on the host until its first update).
-            self.uncaptured = f"input(s) {host} on the host"
-            log.info("shapewise: %s at %s is not captured in a CUDA graph: %s", self.name, self.key, self.uncaptured)
-            return self.fn(*args)
-        versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
-        out = self.fn(*args)
-        self.mutated = {i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v}
-        return out
-
-    def _capture(self, args: tuple) -> Any:
-        with self.pool.lock:
-            live = self.pool.static_ptrs.setdefault(self.key, set())
-            static_args = list(args)
-            fixed, copies, write_back = [], [], []  # committed only once the graph exists
-            for i, a in enumerate(args):
-                if not isinstance(a, torch.Tensor):
-                    continue
-                # Parameters, outputs of an earlier graph, and tensors marked as living at one
-                # address (a static KV cache, which the graph also writes) are used in place.
-                if is_fixed(a) or a.data_ptr() in live:
-                    fixed.append((i, a.data_ptr()))
-                    continue
-                buf = self.buffers[i]
-                view = buf.view(self.key) if buf is not None else torch.empty_like(a)
-                view.copy_(a)
-                static_args[i] = view
-                copies.append((i, view))
-                if i in self.mutated:  # the graph writes the static copy: write it back to the caller's
-                    write_back.append((i, view))
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool.get()):
-                outputs = self.fn(*static_args)
-            for t in _tensors(outputs):
-                live.add(t.data_ptr())
-            self.fixed_slots, self.copy_slots, self.write_back = fixed, copies, write_back
-            self.outputs = outputs
-            self.graph = graph
-        graph.replay()
-        for i, static in self.write_back:
-            args[i].copy_(static)
-        return outputs
-
-
-class StagedInputs:
-    """Piecewise graphs at one size: the caller's tensors copied once per call into static
-    buffers that every graph reads in place (a graph input several pieces read, such as the
-    residual stream of the first layer, is not copied once per piece). Which inputs are staged
-    is decided on the first call: the CUDA tensors that are not used at their own address
-    (``is_fixed``) and that no piece writes in place (those keep the pieces' copy-in and
-    write-back)."""
-
-    def __init__(self, run: Callable[..., Any], key: tuple, pool: _Pool, buffers: Sequence[_Buffer | None],
-                 written: frozenset[int]) -> None:
-        self.run = run
-        self.__wrapped__ = run
-        self.key = key
-        self.pool = pool
-        self.buffers = list(buffers)
-        self.written = written
-        self.slots: list[tuple[int, torch.Tensor]] | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        slots = self.slots
-        if slots is None:
-            slots = self._decide(args)
-        if slots:
-            args = list(args)
-            for i, static in slots:
-                static.copy_(args[i])
-                args[i] = static
-        return self.run(*args)
-
-    def _decide(self, args: tuple) -> list[tuple[int, torch.Tensor]]:
-        slots = []
-        with self.pool.lock:
-            live = self.pool.static_ptrs.setdefault(self.key, set())
-            for i, a in enumerate(args):
-                buf = self.buffers[i] if i < len(self.buffers) else None
-                if buf is None or not isinstance(a, torch.Tensor) or not a.is_cuda or is_fixed(a) or i in self.written:
-                    continue
-                static = buf.view(self.key)
-                live.add(static.data_ptr())  # the pieces read it in place, as an earlier graph's output
-                slots.append((i, static))
-        self.slots = slots
-        return slots
-
-
-def is_fixed(t: torch.Tensor) -> bool:
-    """A tensor graphs use at its own address: a parameter, or one marked as living at one address
-    (``torch._dynamo.mark_static_address``: a static KV cache)."""
-    return isinstance(t, torch.nn.Parameter) or _compat.has_static_address(t)
-
-
-def _tensors(tree: Any):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for t in tree:
-            yield from _tensors(t)
-    elif isinstance(tree, dict):
-        for t in tree.values():
-            yield from _tensors(t)
-
-
-def _clone_tensors(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.clone()
-    if isinstance(tree, tuple):
-        return tuple(_clone_tensors(t) for t in tree)
-    if isinstance(tree, list):
-        return [_clone_tensors(t) for t in tree]
-    if isinstance(tree, dict):
-        return {k: _clone_tensors(v) for k, v in tree.items()}
-    return tree
 
 
 def _layout(meta: TensorMeta, values: Mapping[sympy.Symbol, int]) -> tuple[list[int], list[int], int]:
@@ -310,6 +118,9 @@ class CudaGraphs(Pass):
     ``pad``: run every size up to the largest captured one padded (with zeros) to the next
     captured size and slice the outputs back; only for models whose rows are independent
     (each output row depends only on its input row and earlier ones, as causal attention).
+    ``split_pools``: piecewise sizes run their splitting ops with allocations in a private pool
+    per size, and the graph after each op reads its output where it is (default True;
+    ``graphed.SizeGraphs``); False: the outputs are copied into static buffers on every call.
     """
 
     name: ClassVar[str] = "cudagraphs"
@@ -319,6 +130,7 @@ class CudaGraphs(Pass):
     pad: bool = False
     full_up_to: int = 128
     capture: str = "first_call"
+    split_pools: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -376,29 +188,40 @@ class CudaGraphs(Pass):
             raise ConfigError("cudagraphs=True needs a CUDA GPU; none is available")
         keys = self.capture_keys(program)
         shapes = program.shapes
-        pool = _Pool()
+        pool = GraphPool()
 
-        def buffers_for(metas: Sequence[Any], piece: Piece | None = None) -> list[_Buffer | None]:
-            return [_Buffer(meta, layouts) if layouts is not None else None
+        def buffers_for(metas: Sequence[Any], piece: Piece | None = None) -> list[StaticBuffer | None]:
+            return [StaticBuffer(meta, layouts) if layouts is not None else None
                     for meta, layouts in zip(metas, buffer_layouts(metas, shapes.symbols, keys, piece))]
 
         full = {key for key, _ in keys if self.is_full(key)}
         whole_keys = [(k, b) for k, b in keys if k in full]
         buffers = {p.name: buffers_for(p.shapes.inputs, p) for p in program.compute_pieces}
-        whole_buffers = ([_Buffer(meta, layouts) if layouts is not None else None for meta, layouts in
+        whole_buffers = ([StaticBuffer(meta, layouts) if layouts is not None else None for meta, layouts in
                           zip(shapes.inputs, buffer_layouts(shapes.inputs, shapes.symbols, whole_keys))]
                          if full else [])
         pieces_keys = [(k, b) for k, b in keys if k not in full]
-        staged_buffers = ([_Buffer(meta, layouts) if layouts is not None else None for meta, layouts in
+        staged_buffers = ([StaticBuffer(meta, layouts) if layouts is not None else None for meta, layouts in
                            zip(shapes.inputs, buffer_layouts(shapes.inputs, shapes.symbols, pieces_keys))]
                           if pieces_keys else [])
         written = frozenset(mutated_inputs(program.gm))
+        adoptable = split_fed_inputs(program) if self.split_pools and _compat.private_pools_available() else None
+        device = next((m.device for m in shapes.inputs if isinstance(m, TensorMeta) and m.device.type == "cuda"),
+                      None)
         overrides = {}
         for key, binding in keys:
             callables = program.callables(binding)
             if key not in full:
-                for p in program.compute_pieces:
-                    callables[p.name] = GraphedPiece(callables[p.name], p.name, key, pool, buffers[p.name])
+                split_pool = (_compat.PrivatePool(device.index if device.index is not None else
+                                                  torch.cuda.current_device())
+                              if adoptable is not None and device is not None else None)
+                group = SizeGraphs(key, pool, split_pool)
+                for p in program.pieces:
+                    if p.is_splitting:
+                        callables[p.name] = group.route(callables[p.name])
+                    else:
+                        callables[p.name] = GraphedPiece(callables[p.name], p.name, key, pool, buffers[p.name], group,
+                                                         (adoptable or {}).get(p.name, frozenset()))
             run = make_runner(program.graph, callables)
             if key in full:
                 run = GraphedPiece(run, "forward", key, pool, whole_buffers)
@@ -416,9 +239,29 @@ class CudaGraphs(Pass):
         return self.mode == "full" or (self.mode == "full_and_piecewise" and max(key, default=0) <= self.full_up_to)
 
 
+def split_fed_inputs(program: Program) -> dict[str, frozenset[int]]:
+    """Per compute piece, the positions of its inputs that a splitting piece makes (what a
+    piecewise graph may read in place, ``SizeGraphs``); none for a piece with an output that
+    aliases an input (the graph's output would keep the splitting op's block)."""
+    splitting = {p.name for p in program.pieces if p.is_splitting}
+    aliasing = {p.name for p in program.compute_pieces if aliased_outputs(p.gm)}
+    out: dict[str, frozenset[int]] = {}
+    for n in program.graph.graph.nodes:
+        if n.op != "call_module" or n.target in splitting or n.target in aliasing:
+            continue
+        fed = set()
+        for i, a in enumerate(n.args):
+            if isinstance(a, torch.fx.Node):
+                src = a.args[0] if a.op == "call_function" and isinstance(a.args[0], torch.fx.Node) else a
+                if src.op == "call_module" and src.target in splitting:
+                    fed.add(i)
+        out[n.target] = frozenset(fed)
+    return out
+
+
 def _copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
     def run_and_copy(*args: Any) -> Any:
-        return _clone_tensors(run(*args))
+        return clone_tensors(run(*args))
 
     run_and_copy.__wrapped__ = run
     return run_and_copy

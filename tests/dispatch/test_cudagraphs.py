@@ -219,6 +219,7 @@ def test_full_and_piecewise_at_startup_captures_every_size_on_the_first_call(bac
     runnable = graphed.runnable
     assert runnable.capture_info["sizes"] == ["{n=1}", "{n=2}", "{n=8}", "{n=32}"]
     assert runnable.capture_info["pool_bytes"] > 0 and runnable.capture_info["buffers_bytes"] > 0
+    assert runnable.capture_info["split_pools_bytes"] > 0  # the attention outputs of sizes 8 and 32
     whole = {p.key for p in pieces if p.name == "forward"}
     assert whole == {(1,), (2,)}  # full graphs up to full_up_to, piecewise above
     assert {p.key for p in pieces if p.name != "forward"} == {(8,), (32,)}
@@ -255,10 +256,12 @@ class Residual(torch.nn.Module):
 
 
 @pytest.mark.gpu
-def test_the_callers_input_is_copied_in_once_for_every_graph_that_reads_it():
+@pytest.mark.parametrize("split_pools", [True, False])
+def test_the_callers_input_is_copied_in_once_for_every_graph_that_reads_it(split_pools):
     torch.manual_seed(0)
     model = Residual().cuda()
-    graphed = sw.compile(model, sizes=[4, 8], splitting_ops=[ATTENTION_OP], backend="inductor", cudagraphs=True)
+    graphed = sw.compile(model, sizes=[4, 8], splitting_ops=[ATTENTION_OP], backend="inductor",
+                         cudagraphs={"split_pools": split_pools})
     with torch.no_grad():
         for n in (4, 8, 4, 8, 4, 8):
             x = torch.randn(n, 32, device="cuda")
@@ -268,8 +271,60 @@ def test_the_callers_input_is_copied_in_once_for_every_graph_that_reads_it():
     pieces = graphed_pieces(graphed.program)
     assert all(p.graph is not None and p.fallbacks == 0 for p in pieces)
     for key in ((4,), (8,)):
-        assert sum(len(p.copy_slots) for p in pieces if p.key == key) == 1  # the attention's output
+        # The attention's output: read where the op put it (its private pool), or copied in.
+        assert sum(len(p.adopted) for p in pieces if p.key == key) == int(split_pools)
+        assert sum(len(p.copy_slots) for p in pieces if p.key == key) == int(not split_pools)
         assert [len(s.slots) for s in staged_inputs(graphed.program) if s.key == key] == [1]  # x, once
+    assert all(p.group.recaptures == 0 for p in pieces)
+
+
+_HOLD: list = []
+
+
+@torch.library.custom_op("shapewise_test::doubles", mutates_args=())
+def doubles(x: torch.Tensor) -> torch.Tensor:
+    if _HOLD:  # allocate first and keep it: the output lands elsewhere in the op's pool
+        _HOLD.append(torch.empty(4096, device=x.device))
+    return x * 2 + 1
+
+
+@doubles.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class AroundAnOp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(doubles(self.a(x)))
+
+
+@pytest.mark.gpu
+def test_a_splitting_output_that_moves_makes_its_size_capture_again_with_a_copy():
+    torch.manual_seed(0)
+    model = AroundAnOp().cuda()
+    graphed = sw.compile(model, sizes=[4], splitting_ops=["shapewise_test::doubles"], backend="inductor",
+                         cudagraphs=True)
+    _HOLD.clear()
+    try:
+        with torch.no_grad():
+            for call in range(8):
+                if call == 4:
+                    _HOLD.append("shift")  # from now on the op's output is not where the capture found it
+                x = torch.randn(4, 16, device="cuda")
+                assert_same(graphed(x), model(x), f"call {call}")
+                if call == 3:  # warmed up, captured, replayed: the op's output read in place
+                    (second,) = [p for p in graphed_pieces(graphed.program) if p.adopted]
+                    assert not second.copy_slots and second.group.adopt
+    finally:
+        _HOLD.clear()
+    pieces = graphed_pieces(graphed.program)
+    assert all(p.graph is not None for p in pieces)  # captured again: call 4 moved, 5 warmed up, 6 captured
+    assert second.group.recaptures == 1 and not second.group.adopt
+    assert not second.adopted and len(second.copy_slots) == 1  # now copied in, every call
 
 
 def _accumulate_static(x, total, cache):

@@ -1,0 +1,280 @@
+"""The run-time objects of piecewise CUDA graphs (made by ``cudagraphs.CudaGraphs``): a
+compiled piece at one size (``GraphedPiece``: warm-up, capture, replay), the caller's tensors
+copied in once per call (``StagedInputs``), and the graphs of one size together
+(``SizeGraphs``), whose splitting ops allocate in a private pool so that the next graph reads
+their outputs where they are, with no copy (vLLM's attention-with-output without the out variant).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from shapewise import _compat
+from shapewise.ir.program import TensorMeta
+
+__all__ = ["GraphPool", "GraphedPiece", "SizeGraphs", "StagedInputs", "StaticBuffer", "clone_tensors", "is_fixed",
+           "tensors_of"]
+
+log = logging.getLogger("shapewise")
+
+
+class GraphPool:
+    """The memory pool and the addresses of graph outputs, per captured size."""
+
+    def __init__(self) -> None:
+        self.handle = None
+        self.static_ptrs: dict[tuple, set[int]] = {}
+        self.lock = threading.Lock()
+
+    def get(self):
+        if self.handle is None:
+            self.handle = torch.cuda.graph_pool_handle()
+        return self.handle
+
+
+class StaticBuffer:
+    """One static input buffer of a piece, sized for the largest captured layout."""
+
+    def __init__(self, meta: TensorMeta, layouts: Mapping[tuple, tuple[list[int], list[int], int]]) -> None:
+        self.meta = meta
+        self.layouts = dict(layouts)
+        self.storage: torch.Tensor | None = None
+
+    def view(self, key: tuple) -> torch.Tensor:
+        if self.storage is None:
+            length = max(_compat.storage_length(shape, stride, off) for shape, stride, off in self.layouts.values())
+            self.storage = torch.empty(max(length, 1), dtype=self.meta.dtype, device=self.meta.device)
+        shape, stride, off = self.layouts[key]
+        return self.storage.as_strided(shape, stride, off)
+
+
+class GraphedPiece:
+    """A compiled piece at one size: warm-up, capture and replay on first call; replay after."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, key: tuple, pool: GraphPool,
+                 buffers: Sequence[StaticBuffer | None], group: SizeGraphs | None = None,
+                 adoptable: frozenset[int] = frozenset()) -> None:
+        self.fn = fn
+        self.name = name
+        self.key = key
+        self.pool = pool
+        self.buffers = list(buffers)
+        self.group = group
+        self.adoptable = adoptable  # inputs a splitting op of the group makes: read where they are
+        if group is not None:
+            group.pieces.append(self)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+        self.copy_slots: list[tuple[int, torch.Tensor]] = []
+        self.write_back: list[tuple[int, torch.Tensor]] = []  # copied inputs the graph writes in place
+        self.fixed_slots: list[tuple[int, int]] = []
+        self.adopted: list[tuple[int, int, tuple[int, ...]]] = []  # (input, address, strides) read in place
+        self.mutated: set[int] = set()  # inputs the warm-up wrote in place (their version moved)
+        self.warmed = False
+        self.uncaptured: str | None = None  # why this piece runs without a graph (a host tensor input)
+        self.fallbacks = 0
+
+    def __call__(self, *args: Any) -> Any:
+        graph = self.graph
+        if graph is None:
+            if self.uncaptured:
+                return self.fn(*args)
+            return self._capture(args) if self.warmed else self._warm_up(args)
+        for i, ptr in self.fixed_slots:
+            if args[i].data_ptr() != ptr:
+                return self._fallback(args, i)
+        for i, ptr, stride in self.adopted:
+            a = args[i]
+            if a.data_ptr() != ptr or a.stride() != stride:
+                self.group.moved(self, i)  # this size is captured again, copying it in
+                return self.fn(*args)
+        for i, static in self.copy_slots:
+            static.copy_(args[i])
+        graph.replay()
+        for i, static in self.write_back:
+            args[i].copy_(static)
+        return self.outputs
+
+    def _fallback(self, args: tuple, i: int) -> Any:
+        # A parameter (or an upstream output) moved since capture: the graph would read the
+        # old memory. Run the compiled piece directly instead: right, just not graphed.
+        if self.fallbacks == 0:
+            log.warning("shapewise: %s at %s: input %d is not at its captured address; running it "
+                        "without its CUDA graph", self.name, self.key, i)
+        self.fallbacks += 1
+        return self.fn(*args)
+
+    def _warm_up(self, args: tuple) -> Any:
+        """The first call at this size: run as compiled (lazy initialisation stays out of the
+        graph), noting which inputs it writes in place. Capture waits for the next call, so
+        every call does its work once (a graph that writes a KV cache would write it twice)."""
+        self.warmed = True
+        host = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and not a.is_cuda]
+        if host:
+            # Work on host tensors is not recorded in a graph (a replay would skip it), and a copy
+            # from pageable host memory cannot be captured: run this one as compiled, every call
+            # (transformers' static cache counter lives on the host until its first update).
+            self.uncaptured = f"input(s) {host} on the host"
+            log.info("shapewise: %s at %s is not captured in a CUDA graph: %s", self.name, self.key, self.uncaptured)
+            return self.fn(*args)
+        versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        out = self.fn(*args)
+        self.mutated = {i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v}
+        return out
+
+    def _capture(self, args: tuple) -> Any:
+        with self.pool.lock:
+            live = self.pool.static_ptrs.setdefault(self.key, set())
+            static_args = list(args)
+            fixed, copies, write_back, adopted = [], [], [], []  # committed only once the graph exists
+            adopt = self.group is not None and self.group.adopt
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                # Parameters, outputs of an earlier graph, and tensors marked as living at one
+                # address (a static KV cache, which the graph also writes) are used in place.
+                if is_fixed(a) or a.data_ptr() in live:
+                    fixed.append((i, a.data_ptr()))
+                    continue
+                if adopt and i in self.adoptable and i not in self.mutated:
+                    adopted.append((i, a.data_ptr(), a.stride()))  # where the splitting op put it
+                    continue
+                buf = self.buffers[i]
+                view = buf.view(self.key) if buf is not None else torch.empty_like(a)
+                view.copy_(a)
+                static_args[i] = view
+                copies.append((i, view))
+                if i in self.mutated:  # the graph writes the static copy: write it back to the caller's
+                    write_back.append((i, view))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool.get()):
+                outputs = self.fn(*static_args)
+            for t in tensors_of(outputs):
+                live.add(t.data_ptr())
+            self.fixed_slots, self.copy_slots, self.write_back, self.adopted = fixed, copies, write_back, adopted
+            self.outputs = outputs
+            self.graph = graph
+        graph.replay()
+        for i, static in self.write_back:
+            args[i].copy_(static)
+        return outputs
+
+
+    def reset(self, live: set[int]) -> None:
+        """Drop the graph: as at first, the next call warms up (the rest of a call that resets
+        runs uncaptured) and the one after captures, every piece of the size in order."""
+        for t in tensors_of(self.outputs):
+            live.discard(t.data_ptr())
+        self.graph, self.outputs, self.warmed = None, None, False
+        self.fixed_slots, self.copy_slots, self.write_back, self.adopted = [], [], [], []
+
+
+class SizeGraphs:
+    """The piecewise graphs of one captured size. Its splitting ops allocate in a private pool
+    (``split_pool``: one per size, only they allocate from it, and their outputs are freed before
+    the next call), so each call puts their outputs where the capture found them, and the next
+    graph reads them in place: no copy into a static buffer per call. A graph checks the address
+    and strides before each replay; if one moved (the pool emptied, an output kept past the
+    call), the size is captured again with copies (``adopt`` off): slower, never wrong."""
+
+    def __init__(self, key: tuple, pool: GraphPool, split_pool: _compat.PrivatePool | None) -> None:
+        self.key = key
+        self.pool = pool
+        self.split_pool = split_pool
+        self.adopt = split_pool is not None
+        self.pieces: list[GraphedPiece] = []
+        self.recaptures = 0
+
+    def route(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A splitting op's call, allocating in the private pool while outputs are adopted."""
+        return fn if self.split_pool is None else self.split_pool.route(fn, lambda: self.adopt)
+
+    def moved(self, piece: GraphedPiece, i: int) -> None:
+        log.warning("shapewise: %s at %s: input %d (a splitting op's output) is not where the capture found "
+                    "it; capturing this size again, with that output copied in", piece.name, self.key, i)
+        torch.cuda.synchronize()  # no replay in flight while the graphs go
+        with self.pool.lock:
+            self.adopt = False
+            self.recaptures += 1
+            live = self.pool.static_ptrs.setdefault(self.key, set())
+            for p in self.pieces:
+                p.reset(live)
+
+
+class StagedInputs:
+    """Piecewise graphs at one size: the caller's tensors copied once per call into static
+    buffers that every graph reads in place (a graph input several pieces read, such as the
+    residual stream of the first layer, is not copied once per piece). Which inputs are staged
+    is decided on the first call: the CUDA tensors that are not used at their own address
+    (``is_fixed``) and that no piece writes in place (those keep the pieces' copy-in and
+    write-back)."""
+
+    def __init__(self, run: Callable[..., Any], key: tuple, pool: GraphPool, buffers: Sequence[StaticBuffer | None],
+                 written: frozenset[int]) -> None:
+        self.run = run
+        self.__wrapped__ = run
+        self.key = key
+        self.pool = pool
+        self.buffers = list(buffers)
+        self.written = written
+        self.slots: list[tuple[int, torch.Tensor]] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        slots = self.slots
+        if slots is None:
+            slots = self._decide(args)
+        if slots:
+            args = list(args)
+            for i, static in slots:
+                static.copy_(args[i])
+                args[i] = static
+        return self.run(*args)
+
+    def _decide(self, args: tuple) -> list[tuple[int, torch.Tensor]]:
+        slots = []
+        with self.pool.lock:
+            live = self.pool.static_ptrs.setdefault(self.key, set())
+            for i, a in enumerate(args):
+                buf = self.buffers[i] if i < len(self.buffers) else None
+                if buf is None or not isinstance(a, torch.Tensor) or not a.is_cuda or is_fixed(a) or i in self.written:
+                    continue
+                static = buf.view(self.key)
+                live.add(static.data_ptr())  # the pieces read it in place, as an earlier graph's output
+                slots.append((i, static))
+        self.slots = slots
+        return slots
+
+
+def is_fixed(t: torch.Tensor) -> bool:
+    """A tensor graphs use at its own address: a parameter, or one marked as living at one address
+    (``torch._dynamo.mark_static_address``: a static KV cache)."""
+    return isinstance(t, torch.nn.Parameter) or _compat.has_static_address(t)
+
+
+def tensors_of(tree: Any):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, (list, tuple)):
+        for t in tree:
+            yield from tensors_of(t)
+    elif isinstance(tree, dict):
+        for t in tree.values():
+            yield from tensors_of(t)
+
+
+def clone_tensors(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.clone()
+    if isinstance(tree, tuple):
+        return tuple(clone_tensors(t) for t in tree)
+    if isinstance(tree, list):
+        return [clone_tensors(t) for t in tree]
+    if isinstance(tree, dict):
+        return {k: clone_tensors(v) for k, v in tree.items()}
+    return tree
