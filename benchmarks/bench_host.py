@@ -228,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         contenders["shapewise cudagraphs=full, direct_call"] = shapewise(cudagraphs="full", direct_call=True)
         contenders["shapewise cudagraphs=piecewise, direct_call"] = shapewise(cudagraphs="piecewise",
                                                                             direct_call=True)
+        # The same, with the attention outputs copied into static buffers (split_pools=False).
+        contenders["shapewise piecewise, copies, direct_call"] = shapewise(
+            cudagraphs={"mode": "piecewise", "split_pools": False}, direct_call=True)
         # The same weights, attention writing into a buffer the graph before it allocates (no copy
         # of its output into the next graph's static input).
         out_model = Stack(args.layers, args.dim, heads=max(1, args.dim // 64), hidden=args.dim * 2, max_tokens=64,
@@ -309,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                   for name, d in direct.items()]
     piecewise = [("shapewise cudagraphs=piecewise", "shapewise cudagraphs=full"),
                  ("shapewise cudagraphs=piecewise, direct_call", "shapewise cudagraphs=full, direct_call"),
+                 ("shapewise piecewise, copies, direct_call", "shapewise cudagraphs=full, direct_call"),
                  ("shapewise piecewise, attention with output", "shapewise cudagraphs=full"),
                  ("shapewise piecewise, attention with output, direct_call", "shapewise cudagraphs=full, direct_call")]
     if all(a in results and b in results for a, b in piecewise):
