@@ -149,13 +149,20 @@ def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
             return fn(*a)
         return call
 
+    def timed(probes: dict[str, Callable[[], Any]]) -> dict[str, float]:
+        times: dict[str, list[float]] = {k: [] for k in probes}
+        for _ in range(rounds):
+            for name, fn in probes.items():
+                times[name].append(host_us(fn, calls, sync))
+        return {k: statistics.median(v) for k, v in times.items()}
+
+    # Whole calls first: the pieces' probes below hold a call's splitting-op outputs, whose
+    # memory a whole call would then not get back (it would capture its size again, with copies).
+    res = timed({"call (direct or Dynamo, runnable, runner, output clone)": lambda: fast(x),
+                 "runnable (key + lookup + runner + output clone)": lambda: runnable(*args),
+                 "runner (generated, pieces in order)": lambda: runner(*runner_args)})
     out = make_runner(program.graph, {n: spy(n, f) for n, f in pieces.items()})(*runner_args)
-    probes: dict[str, Callable[[], Any]] = {
-        "call (direct or Dynamo, runnable, runner, output clone)": lambda: fast(x),
-        "runnable (key + lookup + runner + output clone)": lambda: runnable(*args),
-        "runner (generated, pieces in order)": lambda: runner(*runner_args),
-        "output clone": lambda: clone_tensors(out),
-    }
+    probes: dict[str, Callable[[], Any]] = {"output clone": lambda: clone_tensors(out)}
     floor = ["output clone"]
     if statics:
         inputs = [(static, args[i]) for i, static in statics.items()]
@@ -176,11 +183,7 @@ def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
             probes[f"{p.name}: {'splitting op' if p.is_splitting else 'uncaptured piece'} alone"] = \
                 lambda f=f, a=a: f(*a)
             floor.append(f"{p.name}: {'splitting op' if p.is_splitting else 'uncaptured piece'} alone")
-    times: dict[str, list[float]] = {k: [] for k in probes}
-    for _ in range(rounds):
-        for name, fn in probes.items():
-            times[name].append(host_us(fn, calls, sync))
-    res = {k: statistics.median(v) for k, v in times.items()}
+    res.update(timed(probes))
     res["floor: copies, replays, splitting ops, output clone"] = sum(res[k] for k in floor)
     return res
 
@@ -263,9 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         if program is not None and program.cudagraph_keys:
             from shapewise.dispatch.cudagraphs import graphed_pieces, staged_inputs
 
-            copies[name] = {t: sum(len(p.copy_slots) for p in graphed_pieces(program) if p.key == (t,))
+            pieces = graphed_pieces(program)
+            copies[name] = {t: sum(len(p.copy_slots) for p in pieces if p.key == (t,))
                             + sum(len(s.slots or ()) for s in staged_inputs(program) if s.key == (t,))
                             for t in tokens}
+            groups = {id(p.group): p.group for p in pieces if p.group is not None}
+            copies[name]["recaptures"] = sum(g.recaptures for g in groups.values())
     direct = {name: {"info": fn.direct_info, "direct_calls": fn.direct_calls, "fell_back": fn.direct_fallbacks}
               for name, fn in contenders.items() if "direct_call" in name}
     base = "torch.compile dynamic=False"
@@ -304,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {k} | " + " | ".join(f"{pw_parts[t][k]:.1f}" for t in tokens) + " |")
     if copies:
         lines += ["", "Inputs copied into CUDA graphs' static buffers per call (the caller's input, splitting-op "
-                  "outputs):", ""]
-        lines += [f"- {name}: " + ", ".join(f"{c} at {t}" for t, c in per.items()) for name, per in copies.items()]
+                  "outputs), and sizes captured again because a splitting op's output moved (after the breakdown):", ""]
+        lines += [f"- {name}: " + ", ".join(f"{c} at {t}" if t != "recaptures" else f"sizes captured again: {c}"
+                                             for t, c in per.items()) for name, per in copies.items()]
     if direct:
         lines += ["", "direct_call contenders (calls served past Dynamo's frame, calls that fell back to it):", ""]
         lines += [f"- {name}: {d['info']}, {d['direct_calls']} direct, {d['fell_back']} fell back"
