@@ -144,8 +144,12 @@ def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
     piece_args: dict[str, tuple] = {}
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        # A splitting op's output a graph reads in place is kept as a copy: held, it would take
+        # the memory the next splitting op of the call reuses (its output would move).
+        adopted = {i for i, *_ in getattr(fn, "adopted", ())}
+
         def call(*a: Any) -> Any:
-            piece_args[name] = a
+            piece_args[name] = tuple(t.clone() if i in adopted else t for i, t in enumerate(a))
             return fn(*a)
         return call
 
@@ -172,9 +176,11 @@ def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
     for p in program.pieces:
         f, a = pieces[p.name], piece_args[p.name]
         if isinstance(f, GraphedPiece) and f.graph is not None:
-            probes[f"{p.name}: graphed call"] = lambda f=f, a=a: f(*a)
-            probes[f"{p.name}: replay alone"] = f.graph.replay
-            floor.append(f"{p.name}: replay alone")
+            if not f.adopted:  # (a kept copy is not where the graph reads: its call would capture again)
+                probes[f"{p.name}: graphed call"] = lambda f=f, a=a: f(*a)
+            replay = f"{p.name}: replay alone" + (f" ({len(f.adopted)} input read in place)" if f.adopted else "")
+            probes[replay] = f.graph.replay
+            floor.append(replay)
             if f.copy_slots:
                 probes[f"{p.name}: {len(f.copy_slots)} static-input copies alone"] = \
                     lambda f=f, a=a: [s.copy_(a[i]) for i, s in f.copy_slots]
