@@ -37,7 +37,9 @@ list appended to) are skipped. Only use it for forwards without them (vLLM's rul
 
 from __future__ import annotations
 
+import logging
 import operator
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,9 +49,12 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from shapewise import _compat
+from shapewise.dispatch.guards import python_expr
 from shapewise.errors import DispatchMiss
 
-__all__ = ["MISS", "DirectCall", "build_direct_call"]
+__all__ = ["MISS", "DirectCall", "DirectCalls", "build_direct_call"]
+
+log = logging.getLogger("shapewise")
 
 #: What a direct call returns when it does not apply (the caller goes through Dynamo).
 MISS = object()
@@ -141,6 +146,11 @@ class DirectCall:
                 body.append(f"if type({var}) is not {type(value).__name__} or {var} != C{n}: return MISS")
             else:
                 return f"argument {name!r} is a {type(value).__name__}: only tensors and constants are checked"
+        for guard in _interior_guards(self.runnable):
+            try:
+                body.append(f"if not {_spell_bool(guard, symbols)}: return MISS")
+            except (NotImplementedError, KeyError):
+                return f"the trace guards its sizes with {guard}, which a direct call cannot check"
         call_args = []
         order = {name: f"a{n}" for n, name in enumerate(named)}
         for k, slot in enumerate(self.slots):
@@ -179,6 +189,124 @@ class DirectCall:
         else:
             self.calls += 1
         return out
+
+
+class DirectCalls:
+    """A compiled module's direct calls: one per trace that has one (``armed``, most recently
+    used first; a new tuple on each change, so a concurrent call sees the old one or the new
+    one), the traces' calls yet to be armed (``pending``), and per trace whether it is on or why
+    not (``infos``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.armed: tuple[DirectCall, ...] = ()
+        self.pending: dict[int, DirectCall] = {}
+        self.infos: list[str] = []
+        self.calls = 0  # calls served past Dynamo's frame
+        self.fallbacks = 0  # calls that went through Dynamo while some direct call was on
+        self._lock = threading.Lock()
+        self._local = threading.local()  # the program outputs of this thread's call, until armed
+
+    def add_trace(self, index: int, built: DirectCall | str, runnable: Callable[..., Any]) -> Callable[..., Any]:
+        """Trace ``index``'s direct call (or why there is none): what Dynamo should call for it,
+        the runnable or a recorder of its outputs for the arming call."""
+        del self.infos[index:]
+        if isinstance(built, str):
+            self.infos.append(f"off: {built}")
+            return runnable
+        self.infos.append("waiting for a call through Dynamo to arm it")
+        self.pending[index] = built
+        local, pending = self._local, self.pending
+
+        def recorded(*args: Any) -> Any:
+            out = runnable(*args)
+            if index in pending:
+                local.outputs = (index, out)
+            return out
+
+        return recorded
+
+    def truncate(self, count: int) -> None:
+        """Forget the traces from ``count`` on (Dynamo refused them after handing them over)."""
+        del self.infos[count:]
+        self.pending = {i: d for i, d in self.pending.items() if i < count}
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        armed = self.armed
+        for i, direct in enumerate(armed):
+            out = direct(args, kwargs)
+            if out is not MISS:
+                if i:  # most recently used first: a decode loop tries its own trace first
+                    with self._lock:
+                        self.armed = (direct, *(d for d in self.armed if d is not direct))
+                self.calls += 1
+                return out
+        self.fallbacks += 1
+        return MISS
+
+    def forget(self) -> None:
+        self._local.outputs = None
+
+    def arm(self, args: tuple, kwargs: dict, positional: Sequence[str], result: Any,
+            label: Callable[[int], str]) -> None:
+        """Arm the direct call of the trace this call ran through Dynamo, if it waits for one."""
+        seen, self._local.outputs = getattr(self._local, "outputs", None), None
+        if seen is None:
+            return  # the call ran a trace that is armed already
+        index, outputs = seen
+        with self._lock:
+            pending = self.pending.pop(index, None)
+            if pending is None:
+                return
+            why = pending.arm(args, kwargs, positional, result, outputs)
+            if why is None:
+                self.armed, self.infos[index] = (pending, *self.armed), "on"
+            else:
+                self.infos[index] = f"off: {why}"
+                log.info("shapewise: direct calls of trace %s stay off: %s", label(index), why)
+
+    def info(self, label: Callable[[int], str]) -> str:
+        if not self.enabled:
+            return "off (direct_call=False)"
+        if not self.infos:
+            return "not traced yet"
+        if len(self.infos) == 1:
+            return self.infos[0]
+        return "; ".join(f"trace {label(i)}: {info}" for i, info in enumerate(self.infos))
+
+
+def _interior_guards(runnable: Any) -> list[sympy.Basic]:
+    """The trace's guards on its sizes that a range's ends do not decide for the sizes inside it
+    (``Eq(Mod(s0, 2), 0)``, ``Ne(s0, 5)``; not a bound ``s0 >= 2``), where the trace has ranges:
+    a single size's guards were checked when it was compiled, a range's only at its ends."""
+    program = getattr(runnable, "program", None)
+    if program is None or all(b.is_static for b in program.bindings):
+        return []
+    return [g for g, _ in program.shapes.guards if g.free_symbols and not _is_bound(g)]
+
+
+def _is_bound(guard: sympy.Basic) -> bool:
+    """``s0 >= 2`` and the like: one size against a number."""
+    return isinstance(guard, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge)) and (
+        (guard.lhs.is_Symbol and guard.rhs.is_Integer) or (guard.lhs.is_Integer and guard.rhs.is_Symbol))
+
+
+_RELATIONS = ((sympy.Eq, "=="), (sympy.Ne, "!="), (sympy.Lt, "<"), (sympy.Le, "<="), (sympy.Gt, ">"), (sympy.Ge, ">="))
+
+
+def _spell_bool(guard: sympy.Basic, names: dict[sympy.Symbol, str]) -> str:
+    """Python source for a guard over the call's sizes (``names``: where the call shows each)."""
+    if guard is sympy.true:
+        return "True"
+    if isinstance(guard, (sympy.And, sympy.Or)):
+        joiner = " and " if isinstance(guard, sympy.And) else " or "
+        return "(" + joiner.join(_spell_bool(a, names) for a in guard.args) + ")"
+    if isinstance(guard, sympy.Not):
+        return f"(not {_spell_bool(guard.args[0], names)})"
+    for relation, op in _RELATIONS:
+        if isinstance(guard, relation):
+            return f"({python_expr(guard.lhs, names)} {op} {python_expr(guard.rhs, names)})"
+    raise NotImplementedError(f"no Python spelling for {guard}")
 
 
 def _global_state(module: Any) -> tuple:

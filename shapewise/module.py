@@ -16,7 +16,7 @@ import torch
 from shapewise import _compat
 from shapewise.backend import _PIPELINE_KEYS, DEFAULT_DIM_NAME, _op_list, build_pipeline, shapewise_backend
 from shapewise.concretize import check_sizes, make_bindings, refusal
-from shapewise.direct import MISS, DirectCall, build_direct_call
+from shapewise.direct import MISS, DirectCalls, build_direct_call
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
@@ -142,15 +142,8 @@ class ShapewiseModule:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
-        # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed it.
-        # One per trace that has one, most recently used first (a new tuple on each change, so a
-        # concurrent call sees the old one or the new one); the traces' calls yet to be armed.
-        self._direct_call = bool(direct_call)
-        self._directs: tuple[DirectCall, ...] = ()
-        self._direct_pending: dict[int, DirectCall] = {}
-        self._direct_infos: list[str] = []  # per trace
-        self.direct_calls = 0  # calls served past Dynamo's frame
-        self.direct_fallbacks = 0  # calls that went through Dynamo while some direct call was on
+        # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed them.
+        self._directs = DirectCalls(bool(direct_call))
 
     # -- tracing -------------------------------------------------------------------------
     def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
@@ -263,74 +256,44 @@ class ShapewiseModule:
     def _direct_for(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Runnable) -> Any:
         """What Dynamo calls for this trace: the runnable, or with ``direct_call``, a recorder of its
         outputs until a call arms this trace's direct call (``shapewise.direct``)."""
-        if not self._direct_call:
+        if not self._directs.enabled:
             return runnable
-        index = len(self.runnables) - 1
-        self._direct_infos.append("waiting for a call through Dynamo to arm it")
-        if self._watch is not None:
-            self._direct_infos[index] = f"off: compile={self._options.get('compile')!r} (direct calls need 'eager_all')"
-            return runnable
-        built = build_direct_call(gm, example_inputs, runnable, self.model, self._source_positional, self._var_names,
-                                  self._signature.parameters)
-        if isinstance(built, str):
-            self._direct_infos[index] = f"off: {built}"
-            return runnable
-        self._direct_pending[index] = built
-        local, pending = self._local, self._direct_pending
-
-        def recorded(*args: Any) -> Any:
-            out = runnable(*args)
-            if index in pending:  # until armed: what the arming call needs to see
-                local.outputs = (index, out)
-            return out
-
-        return recorded
-
-    def _arm(self, args: tuple, kwargs: dict, result: Any) -> None:
-        """Arm the direct call of the trace this call ran through Dynamo, if it waits for one."""
-        seen, self._local.outputs = getattr(self._local, "outputs", None), None
-        if seen is None:
-            return  # the call ran a trace that is armed already (or none: an error)
-        index, outputs = seen
-        with self._lock:
-            pending = self._direct_pending.pop(index, None)
-            if pending is None:
-                return
-            why = pending.arm(args, kwargs, self._positional, result, outputs)
-            if why is None:
-                self._directs, self._direct_infos[index] = (*self._directs, pending), "on"
-            else:
-                self._direct_infos[index] = f"off: {why}"
-                log.info("shapewise: direct calls of trace %s stay off: %s", self._trace_label(index), why)
+        off = (f"on_miss={self._on_miss!r} serves sizes past the trace's guards (direct calls need on_miss='error')"
+               if self._on_miss != "error" else
+               f"compile={self._options.get('compile')!r} (direct calls need 'eager_all')"
+               if self._watch is not None else None)
+        built = off or build_direct_call(gm, example_inputs, runnable, self.model, self._source_positional,
+                                         self._var_names, self._signature.parameters)
+        return self._directs.add_trace(len(self.runnables) - 1, built, runnable)
 
     @property
     def direct_info(self) -> str:
         """Whether calls go past Dynamo's frame (``direct_call=True``), per trace, and why not."""
-        if not self._direct_call:
-            return "off (direct_call=False)"
-        infos = self._direct_infos
-        if not infos:
-            return "not traced yet"
-        if len(infos) == 1:
-            return infos[0]
-        return "; ".join(f"trace {self._trace_label(i)}: {info}" for i, info in enumerate(infos))
+        return self._directs.info(self._trace_label)
+
+    @property
+    def direct_calls(self) -> int:
+        """Calls served past Dynamo's frame."""
+        return self._directs.calls
+
+    @property
+    def direct_fallbacks(self) -> int:
+        """Calls that went through Dynamo while some trace's direct call was on."""
+        return self._directs.fallbacks
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         directs = self._directs
-        if directs:
-            # A trace's table holds only sizes its guards allow (``_backend`` skips the others) and
-            # its direct call checks the rest: whichever trace serves the call answers as Dynamo's would.
-            for i, direct in enumerate(directs):
-                out = direct(args, kwargs)
-                if out is not MISS:
-                    if i:  # most recently used first: a decode loop tries its own trace first
-                        self._directs = (direct, *(d for d in directs if d is not direct))
-                    self.direct_calls += 1
-                    return out
-            self.direct_fallbacks += 1
-        out = self._call(args, kwargs)
-        if self._direct_pending:
-            self._arm(args, kwargs, out)
+        if directs.armed:
+            out = directs(args, kwargs)
+            if out is not MISS:
+                return out
+        try:
+            out = self._call(args, kwargs)
+        except BaseException:
+            directs.forget()  # a failed call arms nothing
+            raise
+        if directs.pending:
+            directs.arm(args, kwargs, self._positional, out, self._trace_label)
         return out
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
@@ -408,6 +371,7 @@ class ShapewiseModule:
                     # Dynamo refused the trace after handing it over (a dim marked dynamic was
                     # specialised): it installed nothing, so neither does shapewise.
                     del self.runnables[count:], self.trace_fixed[count:]
+                    self._directs.truncate(count)
                     log.info("shapewise: the trace with %s fixed failed (%s: %s); tracing again with %s fixed",
                              attempt or "no size", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
                              attempts[i + 1])

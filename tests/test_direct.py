@@ -126,7 +126,7 @@ def test_a_result_it_cannot_rebuild_leaves_direct_calls_off_with_the_reason():
     fast = sw.compile(Identity(), sizes=[2, 4], direct_call=True, backend="aot_eager", progress=False)
     x = torch.randn(2, 3)
     out = fast(x)
-    assert out[0] is x and not fast._directs
+    assert out[0] is x and not fast._directs.armed
     assert fast.direct_info.startswith("off: the result holds a tensor the compiled program did not return")
 
 
@@ -146,7 +146,7 @@ def test_off_by_default():
     fast = sw.compile(MLP().eval(), sizes=[4], backend="aot_eager", progress=False)
     with torch.no_grad():
         fast(torch.randn(4, 32))
-    assert not fast._directs and fast.direct_info.startswith("off")
+    assert not fast._directs.armed and fast.direct_info.startswith("off")
 
 
 class AddsTwo(nn.Module):
@@ -169,3 +169,51 @@ def test_sizes_the_trace_fixed_or_shares_are_checked():
     with pytest.raises(Exception, match="broadcast"):  # the shapes do not add: an error, through Dynamo
         fast(torch.randn(4, 8), torch.randn(2, 8))
     assert fast.direct_fallbacks == fallbacks + 1
+
+
+class Parity(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if x.shape[0] % 2 == 0 else y * 3
+
+
+def test_a_range_size_its_trace_guards_out_is_not_served_directly():
+    # The trace at 4 guards Eq(Mod(n, 2), 0); the range's ends (2, 16) pass, 5 inside it does not:
+    # Dynamo would refuse 5 (a new trace, which has no variant for it), so must the direct call.
+    torch.manual_seed(0)
+    model = Parity().eval()
+    fast = sw.compile(model, ranges=[(2, 16)], direct_call=True, backend="aot_eager", progress=False)
+    with torch.no_grad():
+        fast(torch.randn(4, 8))
+        x = torch.randn(6, 8)
+        assert _served_directly(fast, lambda: assert_same(fast(x), model(x), "n=6"))
+        calls = fast.direct_calls
+        with pytest.raises(DispatchMiss):
+            fast(torch.randn(5, 8))
+    assert fast.direct_calls == calls
+
+
+def test_on_miss_other_than_error_leaves_direct_calls_off():
+    # The miss runner would serve any size with this trace's graph, past the trace's guards.
+    fast = sw.compile(BranchesOnOne().eval(), sizes=[4], on_miss="eager", direct_call=True, backend="aot_eager",
+                      progress=False)
+    with torch.no_grad():
+        fast(torch.randn(4, 16))
+    assert fast.direct_info.startswith("off: on_miss='eager'")
+
+
+def test_a_trace_dynamo_refuses_leaves_no_phantom_direct_call():
+    # x[:, :-1].reshape(-1, 4) only views for T - 1 == 1: Dynamo refuses the first attempt at 2
+    # after shapewise has seen it, and shapewise traces again with the size fixed.
+    def f(x):
+        return x[:, :-1].reshape(-1, 4).sum() * 1.0
+
+    fast = sw.compile(f, dynamic_dims={"x": 1}, sizes=[2, 5], backend="aot_eager", direct_call=True, progress=False)
+    for t in (5, 5, 2, 2, 2):
+        x = torch.randn(2, t, 4)
+        assert_same(fast(x), f(x), f"t={t}")
+    assert fast.traces == 2 and fast.direct_info == "trace 1: on; trace 2 (n=2): on"

@@ -29,7 +29,8 @@ class PrivatePool:
         self.pool: Any = None
 
     def route(self, fn: Callable[..., Any], enabled: Callable[[], bool]) -> Callable[..., Any]:
-        """``fn`` with its allocations (on this thread) made in the pool while ``enabled()``."""
+        """``fn`` with its allocations (on this thread) made in the pool while ``enabled()``. One
+        call at a time: the allocator refuses to route a second thread to a pool that is routed."""
         begin, end, release = (getattr(torch._C, name) for name in _ROUTING)
         device = self.device
 
@@ -37,7 +38,8 @@ class PrivatePool:
             if not enabled():
                 return fn(*args)
             if self.pool is None:
-                self.pool = torch.cuda.MemPool()
+                with torch.cuda.device(device):  # a MemPool belongs to the device current when it is made
+                    self.pool = torch.cuda.MemPool()
             pool_id = self.pool.id
             begin(device, pool_id)  # as torch.cuda.use_mem_pool: take a reference, route, give it back
             try:

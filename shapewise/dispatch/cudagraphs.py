@@ -47,7 +47,7 @@ from shapewise.dispatch.graphed import (
 )
 from shapewise.dispatch.padding import padded_entries
 from shapewise.errors import ConfigError
-from shapewise.ir.effects import aliased_outputs, mutated_inputs
+from shapewise.ir.effects import inputs_aliased_by_outputs, mutated_inputs
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
 from shapewise.passes.base import Pass, register_pass
@@ -140,6 +140,8 @@ class CudaGraphs(Pass):
         if isinstance(self.full_up_to, bool) or not isinstance(self.full_up_to, int) or self.full_up_to < 1:
             raise ConfigError(f"cudagraphs full_up_to must be a positive int (the largest size captured whole), "
                               f"got {self.full_up_to!r}")
+        if not isinstance(self.split_pools, bool):
+            raise ConfigError(f"cudagraphs split_pools must be True or False, got {self.split_pools!r}")
         if self.capture_sizes is not None and not isinstance(self.capture_sizes, tuple):
             sizes = self.capture_sizes
             object.__setattr__(self, "capture_sizes", tuple(sizes) if isinstance(sizes, (list, tuple)) else (sizes,))
@@ -205,28 +207,29 @@ class CudaGraphs(Pass):
                            zip(shapes.inputs, buffer_layouts(shapes.inputs, shapes.symbols, pieces_keys))]
                           if pieces_keys else [])
         written = frozenset(mutated_inputs(program.gm))
-        adoptable = split_fed_inputs(program) if self.split_pools and _compat.private_pools_available() else None
+        adoptable = split_fed_inputs(program) if self.split_pools and _compat.private_pools_available() else {}
         device = next((m.device for m in shapes.inputs if isinstance(m, TensorMeta) and m.device.type == "cuda"),
                       None)
+        use_pools = device is not None and any(adoptable.values())
         overrides = {}
         for key, binding in keys:
             callables = program.callables(binding)
             if key not in full:
                 split_pool = (_compat.PrivatePool(device.index if device.index is not None else
-                                                  torch.cuda.current_device())
-                              if adoptable is not None and device is not None else None)
+                                                  torch.cuda.current_device()) if use_pools else None)
                 group = SizeGraphs(key, pool, split_pool)
                 for p in program.pieces:
                     if p.is_splitting:
                         callables[p.name] = group.route(callables[p.name])
                     else:
+                        in_place = adoptable.get(p.name, frozenset()) if use_pools else frozenset()
                         callables[p.name] = GraphedPiece(callables[p.name], p.name, key, pool, buffers[p.name], group,
-                                                         (adoptable or {}).get(p.name, frozenset()))
+                                                         in_place)
             run = make_runner(program.graph, callables)
             if key in full:
                 run = GraphedPiece(run, "forward", key, pool, whole_buffers)
             else:
-                run = StagedInputs(run, key, pool, staged_buffers, written)
+                run = StagedInputs(run, key, pool, staged_buffers, written, group)
             overrides[key] = _copy_out(run) if self.copy_outputs else run
         if self.pad:
             overrides.update(padded_entries(program, overrides))
@@ -241,17 +244,21 @@ class CudaGraphs(Pass):
 
 def split_fed_inputs(program: Program) -> dict[str, frozenset[int]]:
     """Per compute piece, the positions of its inputs that a splitting piece makes (what a
-    piecewise graph may read in place, ``SizeGraphs``); none for a piece with an output that
-    aliases an input (the graph's output would keep the splitting op's block)."""
+    piecewise graph may read in place, ``SizeGraphs``), but for inputs an output of the piece
+    aliases (the graph's output would keep the splitting op's memory; all of them where an
+    output's memory is not known)."""
     splitting = {p.name for p in program.pieces if p.is_splitting}
-    aliasing = {p.name for p in program.compute_pieces if aliased_outputs(p.gm)}
+    pieces = {p.name: p for p in program.compute_pieces}
     out: dict[str, frozenset[int]] = {}
     for n in program.graph.graph.nodes:
-        if n.op != "call_module" or n.target in splitting or n.target in aliasing:
+        if n.op != "call_module" or n.target not in pieces:
+            continue
+        aliased = inputs_aliased_by_outputs(pieces[n.target].gm)
+        if aliased is None:
             continue
         fed = set()
         for i, a in enumerate(n.args):
-            if isinstance(a, torch.fx.Node):
+            if isinstance(a, torch.fx.Node) and i not in aliased:
                 src = a.args[0] if a.op == "call_function" and isinstance(a.args[0], torch.fx.Node) else a
                 if src.op == "call_module" and src.target in splitting:
                     fed.add(i)

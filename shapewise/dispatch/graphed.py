@@ -16,6 +16,7 @@ import torch
 
 from shapewise import _compat
 from shapewise.ir.program import TensorMeta
+from shapewise.ir.runner import LAYOUTS_ATTR
 
 __all__ = ["GraphPool", "GraphedPiece", "SizeGraphs", "StagedInputs", "StaticBuffer", "clone_tensors", "is_fixed",
            "tensors_of"]
@@ -68,6 +69,9 @@ class GraphedPiece:
         self.adoptable = adoptable  # inputs a splitting op of the group makes: read where they are
         if group is not None:
             group.pieces.append(self)
+        layouts = getattr(fn, LAYOUTS_ATTR, None)
+        if layouts is not None:  # the runner checks (and fixes) what a splitting op hands this piece
+            setattr(self, LAYOUTS_ATTR, layouts)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Any = None
         self.copy_slots: list[tuple[int, torch.Tensor]] = []
@@ -82,7 +86,7 @@ class GraphedPiece:
     def __call__(self, *args: Any) -> Any:
         graph = self.graph
         if graph is None:
-            if self.uncaptured:
+            if self.uncaptured or (self.group is not None and self.group.resetting):
                 return self.fn(*args)
             return self._capture(args) if self.warmed else self._warm_up(args)
         for i, ptr in self.fixed_slots:
@@ -167,11 +171,10 @@ class GraphedPiece:
 
 
     def reset(self, live: set[int]) -> None:
-        """Drop the graph: as at first, the next call warms up (the rest of a call that resets
-        runs uncaptured) and the one after captures, every piece of the size in order."""
+        """Drop the graph; the piece captures again on its next call (``SizeGraphs.moved``)."""
         for t in tensors_of(self.outputs):
             live.discard(t.data_ptr())
-        self.graph, self.outputs, self.warmed = None, None, False
+        self.graph, self.outputs = None, None
         self.fixed_slots, self.copy_slots, self.write_back, self.adopted = [], [], [], []
 
 
@@ -181,7 +184,10 @@ class SizeGraphs:
     the next call), so each call puts their outputs where the capture found them, and the next
     graph reads them in place: no copy into a static buffer per call. A graph checks the address
     and strides before each replay; if one moved (the pool emptied, an output kept past the
-    call), the size is captured again with copies (``adopt`` off): slower, never wrong."""
+    call, an output the runner had to lay out again), the rest of that call runs uncaptured
+    (``resetting``, cleared when the next call starts) and the next call captures every piece of
+    the size again, in order, with copies (``adopt`` off): slower, never wrong. Graphs that share a
+    pool must replay in the order they were captured; capturing all of them in one call keeps it."""
 
     def __init__(self, key: tuple, pool: GraphPool, split_pool: _compat.PrivatePool | None) -> None:
         self.key = key
@@ -190,6 +196,7 @@ class SizeGraphs:
         self.adopt = split_pool is not None
         self.pieces: list[GraphedPiece] = []
         self.recaptures = 0
+        self.resetting = False
 
     def route(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """A splitting op's call, allocating in the private pool while outputs are adopted."""
@@ -197,10 +204,12 @@ class SizeGraphs:
 
     def moved(self, piece: GraphedPiece, i: int) -> None:
         log.warning("shapewise: %s at %s: input %d (a splitting op's output) is not where the capture found "
-                    "it; capturing this size again, with that output copied in", piece.name, self.key, i)
+                    "it; capturing this size again on the next call, with the splitting ops' outputs copied in",
+                    piece.name, self.key, i)
         torch.cuda.synchronize()  # no replay in flight while the graphs go
         with self.pool.lock:
             self.adopt = False
+            self.resetting = True
             self.recaptures += 1
             live = self.pool.static_ptrs.setdefault(self.key, set())
             for p in self.pieces:
@@ -216,8 +225,9 @@ class StagedInputs:
     write-back)."""
 
     def __init__(self, run: Callable[..., Any], key: tuple, pool: GraphPool, buffers: Sequence[StaticBuffer | None],
-                 written: frozenset[int]) -> None:
+                 written: frozenset[int], group: SizeGraphs | None = None) -> None:
         self.run = run
+        self.group = group  # its calls start here: the end of a call that captures the size again
         self.__wrapped__ = run
         self.key = key
         self.pool = pool
@@ -226,6 +236,9 @@ class StagedInputs:
         self.slots: list[tuple[int, torch.Tensor]] | None = None
 
     def __call__(self, *args: Any) -> Any:
+        group = self.group
+        if group is not None and group.resetting:
+            group.resetting = False  # a new call: the size captures again, piece by piece in order
         slots = self.slots
         if slots is None:
             slots = self._decide(args)

@@ -12,7 +12,7 @@ import torch.fx
 
 from shapewise import _compat
 
-__all__ = ["aliased_outputs", "mutated_inputs"]
+__all__ = ["aliased_outputs", "inputs_aliased_by_outputs", "mutated_inputs"]
 
 
 #: ``x += y`` and its kin: Dynamo records them as these functions, which write their first
@@ -91,5 +91,26 @@ def aliased_outputs(gm: torch.fx.GraphModule) -> frozenset[int]:
         if key in inputs or key in seen:
             aliased.add(i)
         seen.add(key)
+    return frozenset(aliased)
+
+
+def inputs_aliased_by_outputs(gm: torch.fx.GraphModule) -> frozenset[int] | None:
+    """Positions of the inputs of ``gm`` whose memory an output shares (None: an output's
+    memory is not known, no fake value)."""
+    keys = {}
+    for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        if isinstance(v := _compat.node_value(n), torch.Tensor):
+            keys.setdefault(_compat.storage_key(v), set()).add(i)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+    aliased: set[int] = set()
+    for o in outs:
+        if not isinstance(o, torch.fx.Node):
+            continue
+        v = _compat.node_value(o)
+        if v is None:
+            return None
+        if isinstance(v, torch.Tensor):
+            aliased |= keys.get(_compat.storage_key(v), set())
     return frozenset(aliased)
 

@@ -1,0 +1,107 @@
+"""Piecewise graphs' run-time objects on the CPU, with CUDA graphs stood in for: the order in
+which a size captures again after a splitting op's output moved, and which inputs the graphs
+may read where a splitting op put them."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import shapewise as sw
+from shapewise.dispatch.cudagraphs import split_fed_inputs
+from shapewise.dispatch.graphed import GraphedPiece, GraphPool, SizeGraphs, StagedInputs
+from shapewise.models import ATTENTION_OP, ToyTransformer
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA (the graphs only read ``is_cuda``)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _cuda(t: torch.Tensor) -> torch.Tensor:
+    return torch.Tensor._make_subclass(_OnCuda, t)
+
+
+@pytest.fixture
+def events(monkeypatch):
+    """Stand-in CUDA graphs (capture runs the function, replay does nothing); warm-ups and captures logged."""
+    log: list[str] = []
+
+    class Graph:
+        def replay(self):
+            log.append("replay")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (1, 0))
+    for step in ("_warm_up", "_capture"):
+        real = getattr(GraphedPiece, step)
+
+        def logged(self, args, real=real, step=step):
+            log.append(f"{step.strip('_').replace('_', '-')} {self.name}")
+            return real(self, args)
+
+        monkeypatch.setattr(GraphedPiece, step, logged)
+    return log
+
+
+def test_a_moved_output_makes_every_graph_of_the_size_capture_again_in_order(events):
+    # Graphs sharing a pool must replay in the order they were captured: after a move, the rest
+    # of that call runs uncaptured and the next call captures every piece, first to last.
+    pool = GraphPool()
+    group = SizeGraphs((4,), pool, None)
+    group.adopt = True  # as with a private pool
+    piece = {name: GraphedPiece(fn, name, (4,), pool, [None] * 2, group, adopt)
+             for name, fn, adopt in (("p0", lambda x: (_cuda(x + 1), _cuda(x * 0 + 2)), frozenset()),
+                                     ("p1", lambda s, cos: _cuda(s + cos), frozenset({0})),
+                                     ("p2", lambda s, cos: _cuda(s * cos), frozenset({0})),
+                                     ("p3", lambda h, cos: _cuda(h - cos), frozenset()))}
+    outputs = [_cuda(torch.zeros(4)), _cuda(torch.zeros(4))]  # where the splitting op puts its outputs
+    moved = {"now": False}
+
+    def split(h, j):
+        return (_cuda(torch.empty(4)) if moved["now"] else outputs[j]).copy_(h * 2)
+
+    def run(x):
+        h, cos = piece["p0"](x)
+        h = piece["p1"](split(h, 0), cos)
+        h = piece["p2"](split(h, 1), cos)
+        return piece["p3"](h, cos)
+
+    staged = StagedInputs(run, (4,), pool, [None], frozenset(), group)
+    calls = []
+    for call in range(6):
+        moved["now"] = call >= 3
+        events.clear()
+        staged(_cuda(torch.full((4,), float(call))))  # (stand-in replays compute nothing: the GPU tests check values)
+        calls.append([e for e in events if e != "replay"])
+    assert calls[0] == ["warm-up p0", "warm-up p1", "warm-up p2", "warm-up p3"]
+    assert calls[1] == ["capture p0", "capture p1", "capture p2", "capture p3"]
+    assert calls[2] == []  # replays only
+    assert calls[3] == []  # p1's input moved: the rest of the call runs as compiled
+    assert calls[4] == ["capture p0", "capture p1", "capture p2", "capture p3"]  # in order, with copies
+    assert calls[5] == []
+    assert group.recaptures == 1 and not group.adopt and not group.resetting
+    assert all(not p.adopted for p in piece.values())
+    assert [i for i, _ in piece["p3"].fixed_slots] == [0, 1]  # p2's output and p0's cos, both in place
+
+
+def test_graphs_may_read_in_place_every_attention_output():
+    torch.manual_seed(0)
+    model = ToyTransformer(layers=3, dim=32, heads=2, hidden=64, vocab=64)
+    fast = sw.compile(model, sizes=[4], splitting_ops=[ATTENTION_OP], backend="aot_eager", progress=False)
+    with torch.no_grad():
+        fast(torch.randint(0, 64, (4,)))
+    program = fast.runnables[0].program
+    fed = split_fed_inputs(program)
+    splitting = [p.name for p in program.pieces if p.is_splitting]
+    assert len(splitting) == 3
+    after = [n.target for n in program.graph.graph.nodes if n.op == "call_module" and n.target not in splitting][1:]
+    # q, k and v are views of one qkv output (outputs aliasing each other): still read in place.
+    assert [len(fed[name]) for name in after] == [1, 1, 1]
