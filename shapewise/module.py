@@ -305,7 +305,11 @@ class ShapewiseModule:
                             return self._compiled(*args, **kwargs)
                     return self._compiled(*args, **kwargs)
                 except Exception as e:
-                    if not isinstance(_compat.backend_error_cause(e), _UnmarkedRetrace):
+                    # A new trace is needed (a size 0/1 the marks did not cover), or Dynamo refuses
+                    # one because other compiled instances of this class used up the recompile
+                    # limit of their shared forward: trace again, with a budget of its own.
+                    if not (isinstance(_compat.backend_error_cause(e), _UnmarkedRetrace)
+                            or _compat.is_recompile_limit(e)):
                         raise
                 return self._first_call(args, kwargs, retrace=True)
             return self._first_call(args, kwargs)

@@ -197,6 +197,31 @@ def test_regression_a_second_trace_skips_the_sizes_only_the_first_serves(caplog)
         sw.Concretize(sizes=[1, 3])(gm)
 
 
+
+class _BranchesOnOne(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.cumsum(0) if x.shape[0] > 1 else y * 2
+
+
+def test_regression_many_compiled_instances_of_one_class_each_trace_twice():
+    # Found trying direct calls on the transformers zoo in one process: every compiled instance
+    # of a class puts its traces on the class's one forward code, and the 5th instance's second
+    # trace (decode, 1 token) hit Dynamo's recompile limit (8), an error under fullgraph=True.
+    models = [_BranchesOnOne().eval() for _ in range(6)]
+    fasts = [sw.compile(m, sizes=[1, 4], backend="aot_eager", progress=False) for m in models]
+    with torch.no_grad():
+        for i, (model, fast) in enumerate(zip(models, fasts)):
+            for n in (4, 1, 4, 1):
+                x = torch.randn(n, 16)
+                assert_same(fast(x), model(x), f"instance {i}, n={n}")
+            assert fast.traces == 2
+
+
 # -- 1. inputs a variant was not compiled for, through sw.compile ------------------------------
 # Dynamo's guards sit in front of the runnable: a new layout, dtype or rank fails a guard and
 # Dynamo traces again (dims marked dynamic again, so the new trace serves every size); nothing

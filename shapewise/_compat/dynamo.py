@@ -13,8 +13,8 @@ import torch.fx
 __all__ = [
     "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
     "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
-    "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world", "scalars_passed_as_tensors",
-    "size_source", "storage_key", "unmark_dynamic",
+    "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world",
+    "scalars_passed_as_tensors", "size_source", "storage_key", "unmark_dynamic",
 ]
 
 
@@ -141,6 +141,14 @@ def is_graph_break(e: BaseException) -> bool:
     from torch._dynamo.exc import Unsupported
 
     return isinstance(e, Unsupported)
+
+
+def is_recompile_limit(e: BaseException) -> bool:
+    """Whether ``e`` is Dynamo refusing a new trace because the code's recompile limit is reached
+    (fullgraph=True makes that an error; ``own_recompile_budget`` lifts it for one trace)."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    return isinstance(e, FailOnRecompileLimitHit)
 
 
 def backend_error_cause(e: BaseException) -> BaseException | None:

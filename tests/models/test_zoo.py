@@ -54,8 +54,10 @@ def check_decoder(name, fast, seqs, batch=2):
 @pytest.mark.parametrize("name", DECODERS)
 def test_decoder(name):
     fast = sw.compile(model_of(name), dynamic_dims={"input_ids": 1}, sizes=[1, 4, 16], ranges=[(17, 40)],
-                      splitting_ops=["sdpa"], backend="aot_eager")
-    check_decoder(name, fast, (4, 1, 16, 30))
+                      splitting_ops=["sdpa"], backend="aot_eager", direct_call=True)
+    check_decoder(name, fast, (4, 1, 16, 30, 1))
+    # Past Dynamo's frame once each trace is armed by its first call: 16, 30 and the second 1.
+    assert fast.direct_info == "trace 1: on; trace 2 (n=1): on" and fast.direct_calls == 3
     # The trace at 4 serves 4, 16 and the range; it leaves 1 out: every one of these models runs
     # transformers' sdpa_attention_forward, whose `is_causal = q_length > 1 and ...` puts the
     # guard seq > 1 in the trace, so the call at 1 makes a second trace, specialised to 1.
