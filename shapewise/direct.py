@@ -333,7 +333,8 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
         name = _compat.local_name_of(read, positional, *var_names, keywords=keywords)
         if size is not None:
             if name is None or not _compat.is_whole_argument(read):
-                return f"input {node.name} is a size of something other than an argument ({read})"
+                return (f"input {node.name} is a size of something other than an argument "
+                        f"({_compat.source_name(read)})")
             slots.append(("size", name, size[1]))
             sizes[(name, size[1])] = _compat.sym_expr(_compat.node_value(node))
         elif _compat.is_whole_argument(source) and name not in (None, "self"):
@@ -344,5 +345,6 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
         elif name == "self" and isinstance(example, torch.Tensor):
             slots.append(("param", example))
         else:
-            return f"input {node.name} comes from {source}: neither an argument, its size, nor the module's tensor"
+            return (f"input {node.name} comes from {_compat.source_name(source)}: neither an argument, its size, "
+                    "nor the module's tensor")
     return DirectCall(slots, runnable, module, dims, sizes)

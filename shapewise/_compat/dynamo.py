@@ -14,7 +14,7 @@ __all__ = [
     "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
     "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
     "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world",
-    "scalars_passed_as_tensors", "size_source", "storage_key", "unmark_dynamic",
+    "scalars_passed_as_tensors", "size_source", "source_name", "storage_key", "unmark_dynamic",
 ]
 
 
@@ -141,6 +141,14 @@ def is_graph_break(e: BaseException) -> bool:
     from torch._dynamo.exc import Unsupported
 
     return isinstance(e, Unsupported)
+
+
+def source_name(source: Any) -> str:
+    """How Dynamo spells a source (``L['args'][0]._modules['model']``): a property in newer
+    torch, a method in older."""
+    name = getattr(source, "name", None)
+    name = name() if callable(name) else name
+    return name if isinstance(name, str) else str(source)
 
 
 def is_recompile_limit(e: BaseException) -> bool:
