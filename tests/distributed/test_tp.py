@@ -5,8 +5,10 @@ through a shared cache folder (keys do not depend on the rank). NCCL on two GPUs
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_world(tmp_path: Path, *flags: str, world: int = 2) -> list[dict]:
-    out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "tests.distributed.tp_worker", "--world", str(world),
-                           "--out", str(out), *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    for attempt in (1, 2):
+        out = tmp_path / f"out{attempt}"
+        proc = subprocess.run([sys.executable, "-m", "tests.distributed.tp_worker", "--world", str(world),
+                               "--out", str(out), *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        # Once, in a clean-clone CI run (2 cores, the whole suite before it), rank 0 died by SIGABRT
+        # ("terminate called without an active exception", no Python traceback); not reproduced in
+        # three runs alone, cause not found. A death by a signal gets one more run from nothing;
+        # any Python error fails at once.
+        if proc.returncode == 0 or "terminated with signal" not in proc.stderr or attempt == 2:
+            break
+        warnings.warn(f"tp_worker: a rank died by a signal; running the world again: {proc.stderr[-500:]}",
+                      stacklevel=2)
+        if "--cache" in flags:  # the run again compiles from nothing, as the first did
+            shutil.rmtree(flags[flags.index("--cache") + 1], ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 

@@ -51,6 +51,7 @@ def run(rank: int, args: argparse.Namespace) -> None:
         Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "traces": fast.traces,
                                                                    "max_rel_error": worst,
                                                                    "collective_order": collective_order(fast)}))
+        dist.barrier()  # no rank tears its group down while the other may still talk to it
     finally:
         dist.destroy_process_group()
 
