@@ -235,10 +235,12 @@ def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait
     weights = TuningStore(store.folder / "weights") if store is not None else None  # ``rm -r`` clears both
     fields, wfields = _fields(key, gpu, sms, configs), _weight_fields(key[1:], gpu, sms, configs)
 
+    made_once = functools.cache(tensors)  # the random tensors: made once, and only when something is timed
+
     def decide() -> GemvConfig | None:  # under the row count's file lock, then the weight's: always that order
-        x, w, b = tensors()
-        best = _recall(_WINNERS, key[1:], weights, wfields, configs, wait, lambda: _tune_weight(x, w, b, configs))
-        return best if best is None or best is _BUSY else _tune(x, w, b, best)  # None: no config ran
+        best = _recall(_WINNERS, key[1:], weights, wfields, configs, wait,
+                       lambda: _tune_weight(*made_once(), configs))
+        return best if best is None or best is _BUSY else _tune(*made_once(), best)  # None: no config ran
 
     with _TUNE_LOCK:
         if key in _TUNED:

@@ -301,8 +301,12 @@ def test_wait_false_leaves_a_weight_another_process_is_tuning_to_it(store, monke
     weights = TuningStore(store.folder / "weights")
     with weights.locked(gemv._weight_fields((64, 256, torch.bfloat16, True, None), "Stand-in GPU", 132, configs)):
         t0 = time.perf_counter()
-        assert gemv.tune(**SHAPE, device="cpu", wait=False) is None  # at once, and not remembered
+        made, randn = [], torch.randn
+        with monkeypatch.context() as m:
+            m.setattr(torch, "randn", lambda *a, **kw: made.append(a) or randn(*a, **kw))
+            assert gemv.tune(**SHAPE, device="cpu", wait=False) is None  # at once, and not remembered
         assert time.perf_counter() - t0 < 5 and not gpu.benched and not _files(store)
+        assert not made  # nor were its random tensors made (an lm_head's would be a GiB)
     assert gemv.tune(**SHAPE, device="cpu", wait=False) == gpu.fastest
 
 
