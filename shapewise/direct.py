@@ -74,8 +74,6 @@ class DirectCall:
         self.runnable = runnable
         self.module = module
         self.fn: Callable[[tuple, dict], Any] | None = None  # generated when armed
-        self.calls = 0
-        self.misses = 0
 
     def arm(self, args: tuple, kwargs: dict, positional: Sequence[str], result: Any,
             outputs: Sequence[Any]) -> str | None:
@@ -181,14 +179,9 @@ class DirectCall:
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         try:
-            out = self.fn(args, kwargs)
+            return self.fn(args, kwargs)
         except DispatchMiss:
-            out = MISS
-        if out is MISS:
-            self.misses += 1
-        else:
-            self.calls += 1
-        return out
+            return MISS
 
 
 class DirectCalls:

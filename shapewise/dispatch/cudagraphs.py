@@ -192,20 +192,17 @@ class CudaGraphs(Pass):
         shapes = program.shapes
         pool = GraphPool()
 
-        def buffers_for(metas: Sequence[Any], piece: Piece | None = None) -> list[StaticBuffer | None]:
+        def buffers_for(metas: Sequence[Any], piece: Piece | None = None,
+                        at: Sequence[tuple[tuple, Binding]] = keys) -> list[StaticBuffer | None]:
             return [StaticBuffer(meta, layouts) if layouts is not None else None
-                    for meta, layouts in zip(metas, buffer_layouts(metas, shapes.symbols, keys, piece))]
+                    for meta, layouts in zip(metas, buffer_layouts(metas, shapes.symbols, at, piece))]
 
         full = {key for key, _ in keys if self.is_full(key)}
         whole_keys = [(k, b) for k, b in keys if k in full]
         buffers = {p.name: buffers_for(p.shapes.inputs, p) for p in program.compute_pieces}
-        whole_buffers = ([StaticBuffer(meta, layouts) if layouts is not None else None for meta, layouts in
-                          zip(shapes.inputs, buffer_layouts(shapes.inputs, shapes.symbols, whole_keys))]
-                         if full else [])
+        whole_buffers = buffers_for(shapes.inputs, at=whole_keys) if full else []
         pieces_keys = [(k, b) for k, b in keys if k not in full]
-        staged_buffers = ([StaticBuffer(meta, layouts) if layouts is not None else None for meta, layouts in
-                           zip(shapes.inputs, buffer_layouts(shapes.inputs, shapes.symbols, pieces_keys))]
-                          if pieces_keys else [])
+        staged_buffers = buffers_for(shapes.inputs, at=pieces_keys) if pieces_keys else []
         written = frozenset(mutated_inputs(program.gm))
         adoptable = split_fed_inputs(program) if self.split_pools and _compat.private_pools_available() else {}
         device = next((m.device for m in shapes.inputs if isinstance(m, TensorMeta) and m.device.type == "cuda"),
@@ -278,11 +275,11 @@ def graphed_pieces(program: Program) -> list[GraphedPiece]:
     """Every GraphedPiece reachable from the program's dispatch table (for tests and reports)."""
     out = []
     for fn in program.dispatch.exact.values():
-        run = getattr(fn, "__wrapped__", fn)
+        run = getattr(fn, "__wrapped__", fn)  # the output copy (copy_outputs)
         if isinstance(run, GraphedPiece):
             out.append(run)
             continue
-        run = run.run if isinstance(run, StagedInputs) else run
+        run = run.run if isinstance(run, StagedInputs) else run  # piecewise sizes: the runner inside
         for value in getattr(run, "__globals__", {}).values():
             if isinstance(value, GraphedPiece):
                 out.append(value)

@@ -228,7 +228,6 @@ class StagedInputs:
                  written: frozenset[int], group: SizeGraphs | None = None) -> None:
         self.run = run
         self.group = group  # its calls start here: the end of a call that captures the size again
-        self.__wrapped__ = run
         self.key = key
         self.pool = pool
         self.buffers = list(buffers)
