@@ -1,7 +1,8 @@
 """The torch adapter: every use of torch internals lives in this package, so a torch upgrade
 touches only it. ``shapes`` (fake tensors, ShapeEnvs, symbols, guards), ``dynamo`` (marks,
 sources, trace errors, locks), ``inductor`` (compiles, generated code, artifacts), ``ops``
-(torch's operator objects), ``cuda`` (the caching allocator's private pools).
+(torch's operator objects), ``cuda`` (the caching allocator's private pools), ``distributed``
+(DTensor's mesh, placements and spec as plain values).
 
 Supported: torch >= 2.11 (GPU machine: 2.11.0; CPU machines: 2.13.0).
 """
@@ -11,6 +12,8 @@ from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, Pytho
 
 from shapewise._compat.cuda import *  # noqa: F403 - one flat adapter namespace
 from shapewise._compat.cuda import __all__ as _cuda_all
+from shapewise._compat.distributed import *  # noqa: F403
+from shapewise._compat.distributed import __all__ as _distributed_all
 from shapewise._compat.dynamo import *  # noqa: F403
 from shapewise._compat.dynamo import __all__ as _dynamo_all
 from shapewise._compat.inductor import *  # noqa: F403
@@ -33,6 +36,7 @@ __all__ = [
     "PythonMod",
     *_shapes_all,
     *_cuda_all,
+    *_distributed_all,
     *_dynamo_all,
     *_inductor_all,
     *_ops_all,

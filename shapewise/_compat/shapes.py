@@ -13,8 +13,10 @@ import torch
 import torch.fx
 from torch._prims_common import compute_required_storage_length
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
+    "is_traceable_wrapper_subclass",
     "compute_required_storage_length",
     "evaluate_at", "fake_mode_active", "fresh_tracing_context", "make_symint", "no_zero_one_specialisation",
     "node_value", "range_guard_violations", "shape_env_of", "storage_length", "sym_expr", "symbol_hints",

@@ -12,13 +12,21 @@ import sympy
 import torch
 import torch.fx
 
-from shapewise._compat import node_value, shape_env_of, sym_expr, symbol_hints, trace_guards, value_range
+from shapewise._compat import (
+    is_traceable_wrapper_subclass,
+    node_value,
+    shape_env_of,
+    sym_expr,
+    symbol_hints,
+    trace_guards,
+    value_range,
+)
 from shapewise.errors import ConfigError, ShapewiseError
-from shapewise.ir.program import Program, ShapeInfo, SymbolSource, TensorMeta
+from shapewise.ir.program import Program, ShapeInfo, SubclassMeta, SymbolSource, TensorMeta
 from shapewise.ir.symbolic import evaluate
 from shapewise.passes.base import Pass, register_pass
 
-__all__ = ["AnalyzeShapes", "analyze_graph", "evaluate", "resolve_symbol_names"]
+__all__ = ["AnalyzeShapes", "analyze_graph", "evaluate", "resolve_symbol_names", "tensor_meta"]
 
 
 def _ordered_symbols(exprs) -> list[sympy.Symbol]:
@@ -52,6 +60,22 @@ def resolve_symbol_names(names: Mapping[Any, str] | None, symbols: tuple[sympy.S
     return out
 
 
+def tensor_meta(v: torch.Tensor) -> TensorMeta:
+    """``v``'s layout as expressions; a traceable subclass (``DTensor``) with its inner tensors'."""
+    shape = tuple(sym_expr(d) for d in v.shape)
+    stride = tuple(sym_expr(d) for d in v.stride())
+    sub = None
+    if is_traceable_wrapper_subclass(v):
+        attrs, ctx = v.__tensor_flatten__()
+        inner = ((a, getattr(v, a)) for a in attrs)  # tensors, or objects a subclass carries (a DeviceMesh)
+        sub = SubclassMeta(type(v), ctx, tuple((a, tensor_meta(x) if isinstance(x, torch.Tensor) else x)
+                                               for a, x in inner))
+        offset = sympy.Integer(0)  # the outer tensor owns no storage
+    else:
+        offset = sym_expr(v.storage_offset())
+    return TensorMeta(shape, stride, offset, v.dtype, v.device, bool(v.requires_grad), sub)
+
+
 def analyze_graph(gm: torch.fx.GraphModule, names: Mapping[Any, str] | None = None) -> ShapeInfo:
     """The ``ShapeInfo`` of a graph, read from its placeholders' fake values. ``names``:
     ``{symbol or its name: dim name}`` (a name that is no symbol of the graph raises ConfigError)."""
@@ -69,13 +93,12 @@ def analyze_graph(gm: torch.fx.GraphModule, names: Mapping[Any, str] | None = No
             if isinstance(e, sympy.Symbol):
                 sources.setdefault(e, SymbolSource("int", i))
         elif isinstance(v, torch.Tensor):
-            shape = tuple(sym_expr(d) for d in v.shape)
-            stride = tuple(sym_expr(d) for d in v.stride())
-            offset = sym_expr(v.storage_offset())
-            inputs.append(TensorMeta(shape, stride, offset, v.dtype, v.device, bool(v.requires_grad)))
+            meta = tensor_meta(v)
+            inputs.append(meta)
+            shape, stride = meta.shape, meta.stride
             exprs.extend(shape)
             exprs.extend(stride)
-            exprs.append(offset)
+            exprs.append(meta.offset)
             for d, e in enumerate(shape):
                 if isinstance(e, sympy.Symbol):
                     sources.setdefault(e, SymbolSource("size", i, d))

@@ -3,7 +3,7 @@ storage (static), or symbolic ones in a fresh ShapeEnv bounded by a range."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -15,7 +15,34 @@ from shapewise.errors import BindingError
 from shapewise.ir.program import Binding, Piece, TensorMeta
 from shapewise.ir.symbolic import INT_MAX, evaluate, range_hint
 
-__all__ = ['example_args']
+__all__ = ['example_args', 'fake_at']
+
+def _fake(meta: TensorMeta, mode: FakeTensorMode, conv: Callable[[Any], Any], symbolic: bool,
+          shape: list[Any], stride: list[Any], offset: Any) -> torch.Tensor:
+    """One fake input of ``meta``'s dtype and device at (shape, stride, offset); a subclass
+    (``DTensor``) rebuilt around fake inner tensors, each at its own layout."""
+    with mode:
+        if meta.subclass is not None:
+            inner = {name: _fake(m, mode, conv, symbolic, [conv(e) for e in m.shape], [conv(e) for e in m.stride],
+                                 conv(m.offset)) if isinstance(m, TensorMeta) else m
+                     for name, m in meta.subclass.inner}
+            t = meta.subclass.cls.__tensor_unflatten__(inner, meta.subclass.ctx, tuple(shape), tuple(stride))
+        elif symbolic and offset == 0:
+            t = torch.empty_strided(shape, stride, dtype=meta.dtype, device=meta.device)
+        else:
+            length = storage_length(shape, stride, offset) if not symbolic else \
+                _compat.compute_required_storage_length(shape, stride, offset)
+            t = torch.empty(length, dtype=meta.dtype, device=meta.device).as_strided(shape, stride, offset)
+        if meta.requires_grad and not t.requires_grad:
+            t.requires_grad_(True)
+    return t
+
+
+def fake_at(meta: TensorMeta, mode: FakeTensorMode, values: Mapping[sympy.Symbol, int]) -> torch.Tensor:
+    """A fake input of ``meta`` at the sizes ``values`` (its traced layout, evaluated)."""
+    shape, stride, offset = meta.at(values)
+    return _fake(meta, mode, lambda e: evaluate(e, values), False, list(shape), list(stride), offset)
+
 
 def _materialise(piece: Piece, mode: FakeTensorMode, exprs: Mapping[sympy.Symbol, Any],
                  values: Mapping[sympy.Symbol, int], symbolic: bool,
@@ -37,21 +64,14 @@ def _materialise(piece: Piece, mode: FakeTensorMode, exprs: Mapping[sympy.Symbol
                 stride = [conv(e) for e in meta.stride]
                 offset = conv(meta.offset)
                 seen = observed[i] if observed is not None and i < len(observed) else None
-                if not symbolic and isinstance(seen, torch.Tensor) and list(seen.shape) == shape \
+                if meta.subclass is not None:
+                    pass  # the subclass's own layout (its inner tensors'), not one eager made
+                elif not symbolic and isinstance(seen, torch.Tensor) and list(seen.shape) == shape \
                         and seen.dtype == meta.dtype:
                     stride, offset = list(seen.stride()), seen.storage_offset()
                 elif symbolic and isinstance(seen, tuple) and len(seen[0]) == len(meta.stride):
                     stride, offset = [conv(e) for e in seen[0]], conv(seen[1])  # exprs over the trace's symbols
-                with mode:
-                    if symbolic and offset == 0:
-                        t = torch.empty_strided(shape, stride, dtype=meta.dtype, device=meta.device)
-                    else:
-                        length = storage_length(shape, stride, offset) if not symbolic else \
-                            _compat.compute_required_storage_length(shape, stride, offset)
-                        t = torch.empty(length, dtype=meta.dtype, device=meta.device).as_strided(shape, stride, offset)
-                    if meta.requires_grad:
-                        t.requires_grad_(True)
-                out.append(t)
+                out.append(_fake(meta, mode, conv, symbolic, shape, stride, offset))
             elif isinstance(meta, sympy.Basic):
                 out.append(conv(meta))
             else:

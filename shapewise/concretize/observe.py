@@ -13,7 +13,7 @@ import torch
 
 from shapewise import _compat
 from shapewise._compat import FakeTensorMode, storage_length
-from shapewise.concretize.examples import _materialise, _range_env
+from shapewise.concretize.examples import _materialise, _range_env, fake_at
 from shapewise.errors import GuardViolation
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
@@ -147,7 +147,9 @@ def observed_inputs(program: Program, binding: Binding, memo: dict[Any, Any] | N
         args = []
         with mode:
             for meta in shapes.inputs:
-                if isinstance(meta, TensorMeta):
+                if isinstance(meta, TensorMeta) and meta.subclass is not None:
+                    args.append(fake_at(meta, mode, values))  # a DTensor weight: its local shard inside
+                elif isinstance(meta, TensorMeta):
                     desc = ("t", *meta.at(values), meta.dtype, meta.device, meta.requires_grad)
                     if desc not in made:
                         made[desc] = _from_layout(desc)

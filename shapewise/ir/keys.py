@@ -24,7 +24,7 @@ import sympy
 import torch
 import torch.fx
 
-from shapewise._compat import FakeTensor, op_key
+from shapewise._compat import FakeTensor, distributed_fields, op_key
 from shapewise.ir.program import Binding, ShapeInfo, TensorMeta
 from shapewise.ir.symbolic import range_hint
 
@@ -76,6 +76,7 @@ class _Normaliser:
     def __init__(self, shapes: ShapeInfo | None) -> None:
         self.symbols: dict[sympy.Symbol, sympy.Symbol] = {}
         self.shapes = shapes
+        self.any_rank = False  # describing a subclass input the graph only takes ``to_local`` of
 
     # -- symbols ---------------------------------------------------------------------------
     def expr(self, e: Any) -> str:
@@ -86,12 +87,22 @@ class _Normaliser:
             self.symbols.setdefault(s, sympy.Symbol(f"c{len(self.symbols)}", integer=True))
         return sympy.srepr(e.xreplace(self.symbols))
 
-    def meta(self, m: Any) -> str:
+    def meta(self, m: Any, inner: bool = False) -> str:
         if isinstance(m, TensorMeta):
             shape = ",".join(self.expr(e) for e in m.shape)
             stride = ",".join(self.expr(e) for e in m.stride)
-            return (f"tensor[{m.dtype}|{m.device}|({shape})|({stride})|{self.expr(m.offset)}|"
-                    f"grad={bool(m.requires_grad)}]")
+            offset = self.expr(m.offset)
+            if inner and isinstance(m.offset, sympy.Integer) and int(m.offset) * m.dtype.itemsize % 16 == 0:
+                # A subclass's inner tensor (a DTensor's local shard) is often a view of the whole
+                # loaded weight at a rank's own offset. Compiled code reads an input from its data
+                # pointer and depends on the offset only through the pointer's alignment.
+                offset = "aligned16"
+            sub = m.subclass
+            flat = "" if sub is None else (
+                f"|{sub.cls.__module__}.{sub.cls.__qualname__}{{{self.value(sub.ctx, {})}|"
+                + ";".join(f"{name}={self.meta(x, inner=True)}" for name, x in sub.inner) + "}")
+            return (f"tensor[{m.dtype}|{m.device}|({shape})|({stride})|{offset}|"
+                    f"grad={bool(m.requires_grad)}{flat}]")
         if isinstance(m, sympy.Basic):
             return f"sym[{self.expr(m)}]"
         return f"const[{self.value(m, {})}]"
@@ -130,6 +141,9 @@ class _Normaliser:
             return f"symval[{self.expr(a.node.expr)}]"
         if op_key(a) is not None:
             return _qualname(a)
+        fields = distributed_fields(a, rank=not self.any_rank)
+        if fields is not None:
+            return "dist" + self.value(fields, index)
         if callable(a):
             return "fn:" + _qualname(a)
         raise NotKeyable(f"argument {a!r} of type {type(a).__qualname__} has no stable description")
@@ -144,7 +158,11 @@ class _Normaliser:
             i = index[node]
             if node.op == "placeholder":
                 meta = metas[ph] if metas is not None and ph < len(metas) else None
+                # A DTensor weight whose only use is its local shard compiles the same on every rank.
+                self.any_rank = bool(node.users) and all(u.op == "call_method" and u.target == "to_local"
+                                                         for u in node.users)
                 lines.append(f"%{i} = input {self.meta(meta) if meta is not None else 'unknown'}")
+                self.any_rank = False
                 ph += 1
             elif node.op == "get_attr":
                 lines.append(f"%{i} = attr {self.attribute(gm, node.target)}")

@@ -19,7 +19,8 @@ import torch.fx
 
 from shapewise.ir.symbolic import evaluate, range_text
 
-__all__ = ["RENDERERS", "Binding", "Piece", "Program", "ShapeInfo", "SymbolSource", "TensorMeta", "Variant"]
+__all__ = ["RENDERERS", "Binding", "Piece", "Program", "ShapeInfo", "SubclassMeta", "SymbolSource", "TensorMeta",
+           "Variant"]
 
 #: (class name, "text" | "html" | "png") -> renderer. Registered by ``ir.printer`` and
 #: ``shapewise.display``.
@@ -55,8 +56,21 @@ class SymbolSource:
 
 
 @dataclass(frozen=True)
+class SubclassMeta:
+    """What makes a tensor-subclass input (a ``DTensor``, a quantised weight) again around fake
+    inner tensors: its class, the context ``__tensor_flatten__`` gave, and each inner tensor's
+    ``TensorMeta`` or, for an object it carries (a ``DeviceMesh``), the object
+    (``cls.__tensor_unflatten__(inner, ctx, shape, stride)`` rebuilds it)."""
+
+    cls: type
+    ctx: Any
+    inner: tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True)
 class TensorMeta:
-    """A placeholder's layout as sympy expressions, plus dtype/device."""
+    """A placeholder's layout as sympy expressions, plus dtype/device; ``subclass`` when the
+    input is a traceable tensor subclass (the layout is then the outer tensor's)."""
 
     shape: tuple[sympy.Expr, ...]
     stride: tuple[sympy.Expr, ...]
@@ -64,6 +78,7 @@ class TensorMeta:
     dtype: Any
     device: Any
     requires_grad: bool = False
+    subclass: SubclassMeta | None = None
 
     def at(self, values: Mapping[sympy.Symbol, int]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """(shape, stride, storage offset) as ints at the sizes ``values``."""

@@ -33,7 +33,8 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
     on a 2-core CPU (benchmarks/bench_host.py). The chain has work only for: training graphs
     (a backward), inputs the graph writes or that alias each other (mutations applied back,
     duplicate and synthetic-base arguments), outputs that alias an input or each other
-    (regenerated as views), autocast (the compiled code runs with it off) and grad mode (an
+    (regenerated as views), tensor-subclass inputs (flattened: a ``DTensor``'s local
+    tensor), autocast (the compiled code runs with it off) and grad mode (an
     inference graph runs with grad off, so inputs that require grad give outputs that do not).
     A piece with none of the first four calls the compiled module's ``call(list)`` directly with
     the parameters AOTAutograd prepends, with grad off as the wrapper has it. Aliasing outputs
@@ -45,6 +46,8 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
     args = [a for a in variant.example_args if isinstance(a, torch.Tensor)]
     if any(a.requires_grad for a in args) and torch.is_grad_enabled():
         return None
+    if any(_compat.is_traceable_wrapper_subclass(a) for a in args):
+        return None  # the wrappers flatten subclass inputs (a DTensor: its local tensor) for the compiled code
     if len({_compat.storage_key(a) for a in args}) != len(args):
         return None
     if mutated_inputs(piece.gm):

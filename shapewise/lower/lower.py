@@ -47,9 +47,16 @@ def _input_layouts(variant: Variant) -> str:
     """The strides and offsets of a variant's tensor inputs (ints, or expressions over its own
     fresh symbols s0, s1, ... for a range): eager, or a range compile, may lay an input out
     otherwise than the trace says (see ``concretize.observed_inputs``), so two equal pieces
-    share a compile only when their inputs agree."""
-    return ";".join(f"{tuple(a.stride())}+{a.storage_offset()}" if isinstance(a, torch.Tensor) else "."
-                    for a in variant.example_args)
+    share a compile only when their inputs agree. A subclass input (a DTensor) by its outer
+    strides: its inner tensors' layouts are in the graph key."""
+    def layout(a: Any) -> str:
+        if not isinstance(a, torch.Tensor):
+            return "."
+        if _compat.is_traceable_wrapper_subclass(a):
+            return f"{tuple(a.stride())}+subclass"
+        return f"{tuple(a.stride())}+{a.storage_offset()}"
+
+    return ";".join(layout(a) for a in variant.example_args)
 
 
 def _backend_id(backend: Any) -> tuple[str, bool]:

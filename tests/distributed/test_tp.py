@@ -80,3 +80,39 @@ def test_two_gpus_on_nccl(tmp_path):
     ranks = run_world(tmp_path, "--nccl", "--cache", str(tmp_path / "cache"))
     for result in ranks:
         assert result["traces"] == 1 and result["max_rel_error"] < 1e-4
+
+
+@pytest.mark.inductor
+def test_transformers_tp_plan_dtensor_weights(tmp_path):
+    # A transformers Llama loaded with tp_plan="auto": its weights are DTensors (graph inputs
+    # rebuilt around fake local shards for each compile), and DTensor's rules compile each rank's
+    # vocab offset into the embedding and head pieces. Those pieces must not be shared between
+    # ranks (shared, rank 1 ran rank 0's embedding: relative error 0.83); a piece whose DTensor
+    # weights are only taken to_local is the same code on both and is compiled once.
+    ranks = run_world(tmp_path, "--hf", "--cache", str(tmp_path / "cache"))
+    for r, result in enumerate(ranks):
+        assert result["traces"] == 2, f"rank {r}: one trace for one token, one for the rest"
+        assert result["dtensor_weights"] == 16, f"rank {r}: {result['dtensor_weights']}"  # embedding, 7 x 2, head
+        assert result["max_rel_error"] < 1e-5, f"rank {r}: {result['max_rel_error']}"
+    artifacts = [{(row["trace"], row["piece"], row["key"]): row["artifact"] for row in result["rows"]}
+                 for result in ranks]
+    assert artifacts[0].keys() == artifacts[1].keys()
+    shared = {k for k in artifacts[0] if artifacts[0][k] == artifacts[1][k]}
+    assert {piece for _, piece, _ in shared} == {"piece_2"}, shared  # between the two attentions
+    assert {piece for _, piece, _ in set(artifacts[0]) - shared} == {"piece_0", "piece_4"}
+    compiled = [{row["artifact"] for row in result["rows"] if row["source"] == "compiled"} for result in ranks]
+    assert not compiled[0] & compiled[1] & {artifacts[0][k] for k in shared}, "a shared piece compiled twice"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_transformers_dtensor_weights_on_gpus(tmp_path, world):
+    # DTensor weights under CUDA graphs (full at one token, piecewise above) and direct calls,
+    # bf16 on NCCL. One GPU: torch's own tensor-parallel plan on a mesh of one (transformers
+    # leaves a world of one unsharded); two: transformers' tp_plan.
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    ranks = run_world(tmp_path, "--hf", "--nccl", "--cache", str(tmp_path / "cache"), world=world)
+    for r, result in enumerate(ranks):
+        assert result["dtensor_weights"] >= 14, f"rank {r}: {result['dtensor_weights']}"
+        assert result["traces"] == 2 and result["max_rel_error"] < 2e-2, (r, result["max_rel_error"])

@@ -1,9 +1,10 @@
 """One tensor-parallel run: ``world`` processes (torch.multiprocessing, gloo on CPU or NCCL on
 GPUs) each compile their shard of ``TPLlama`` with ``sw.compile`` and check it against the
 single-process eager model at every size; each rank writes ``rank<r>.json`` (its report rows,
-its traces, its largest error) to ``--out``.
+its traces, its largest error) to ``--out``. ``--hf``: a tiny transformers Llama loaded with
+``tp_plan="auto"`` (DTensor weights) instead, against the same checkpoint loaded whole.
 
-    python -m tests.distributed.tp_worker --world 2 --cache /tmp/c --out /tmp/o [--layers 3] [--nccl]
+    python -m tests.distributed.tp_worker --world 2 --cache /tmp/c --out /tmp/o [--layers 3] [--nccl] [--hf]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SIZES, RANGES, CHECK = [1, 4, 8], [(9, 32)], (1, 4, 8, 9, 20, 32)
+HF_SIZES, HF_RANGES, HF_CHECK = [1, 4], [(2, 8)], (1, 3, 4, 8)
 
 
 def run(rank: int, args: argparse.Namespace) -> None:
@@ -27,12 +29,16 @@ def run(rank: int, args: argparse.Namespace) -> None:
     import shapewise as sw
     from shapewise.models import ATTENTION_OP, TPLlama
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(args.world))
     device = torch.device("cuda", rank) if args.nccl else torch.device("cpu")
     if args.nccl:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if args.nccl else "gloo", rank=rank, world_size=args.world)
     try:
+        if args.hf:
+            run_hf(rank, args, device)
+            return
         torch.manual_seed(0)
         full = TPLlama(layers=args.layers).to(device).eval()
         part = TPLlama.shard(full, rank, args.world).to(device).eval()
@@ -54,6 +60,69 @@ def run(rank: int, args: argparse.Namespace) -> None:
         dist.barrier()  # no rank tears its group down while the other may still talk to it
     finally:
         dist.destroy_process_group()
+
+
+def run_hf(rank: int, args: argparse.Namespace, device: torch.device) -> None:
+    """transformers' own tensor parallel: DTensor weights, the embedding and the head sharded by
+    DTensor's rules (which compile each rank's offset into the code), the linears by their
+    local shards."""
+    from transformers import AutoModelForCausalLM
+
+    import shapewise as sw
+
+    dtype = torch.bfloat16 if args.nccl else torch.float32
+    if args.world > 1:
+        part = AutoModelForCausalLM.from_pretrained(args.hf_model, tp_plan="auto", dtype=dtype).eval()
+    else:  # transformers leaves a world of one plain; torch's own plan makes the weights DTensors
+        part = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=dtype).to(device).eval()
+        parallelize_one(part, device)
+    full = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=dtype).to(device).eval()
+    # On GPUs as a server runs it: full CUDA graphs at one token, piecewise ones above, captured at
+    # start-up, called past Dynamo's frame.
+    gpu = dict(cudagraphs={"mode": "full_and_piecewise", "full_up_to": 1, "capture": "startup"}, direct_call=True)
+    fast = sw.compile(part, dynamic_dims={"input_ids": 1}, sizes=HF_SIZES, ranges=HF_RANGES, splitting_ops=["sdpa"],
+                      backend=args.backend, cache=args.cache or False, progress=False, **(gpu if args.nccl else {}))
+    worst = 0.0
+    with torch.no_grad():
+        for n in HF_CHECK * 2:  # on GPUs: capture, then replay
+            ids = torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+            out = fast(input_ids=ids, use_cache=False).logits.float()
+            ref = full(input_ids=ids, use_cache=False).logits.float()
+            worst = max(worst, float((out - ref).norm() / ref.norm()))
+    rows = [{k: v for k, v in r.items() if k in ("trace", "piece", "key", "source", "artifact", "rank")}
+            for r in fast.report()]
+    from torch.distributed.tensor import DTensor
+
+    dtensors = sum(isinstance(p, DTensor) for p in part.parameters())
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "traces": fast.traces,
+                                                               "max_rel_error": worst, "dtensor_weights": dtensors,
+                                                               "direct_info": fast.direct_info}))
+    dist.barrier()
+
+
+def parallelize_one(model: torch.nn.Module, device: torch.device) -> None:
+    """torch.distributed.tensor.parallel's plan for a Llama on a mesh of one device."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    layer = {f"model.layers.*.self_attn.{p}": col for p in ("q_proj", "k_proj", "v_proj")}
+    layer.update({f"model.layers.*.mlp.{p}": col for p in ("gate_proj", "up_proj")})
+    layer.update({"model.layers.*.self_attn.o_proj": row, "model.layers.*.mlp.down_proj": row,
+                  "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                  "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    parallelize_module(model, init_device_mesh(device.type, (1,)), layer)
+
+
+def save_hf_model(path: Path) -> None:
+    """A two-layer Llama of random weights whose every sharded dim divides by 2."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
 
 
 def collective_order(fast) -> dict[str, str]:
@@ -89,7 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nccl", action="store_true")
     ap.add_argument("--split-collectives", action="store_true", help="split the graph at the all-reduces too")
     ap.add_argument("--overlap", action="store_true", help="sw.passes.OverlapAllReduce at 8 rows (two slices of 4)")
+    ap.add_argument("--hf", action="store_true", help="a tiny transformers Llama with tp_plan='auto' (DTensor)")
     args = ap.parse_args(argv)
+    if args.hf:
+        args.hf_model = str(Path(args.out) / "model")
+        save_hf_model(Path(args.hf_model))
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         args.port = s.getsockname()[1]
