@@ -141,6 +141,8 @@ class ShapewiseModule:
         self._watch: Any = None  # compile="lazy" / "background": whether compiles may still run
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._trace_sizes: list[dict[str, tuple[str | None, list[int | None]]]] = []  # per trace, per input
+        self._warned_dims: set[tuple[str, int]] = set()
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
         # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed them.
         self._directs = DirectCalls(bool(direct_call))
@@ -210,12 +212,16 @@ class ShapewiseModule:
             # static. Refuse it; __call__ then marks them and traces again.
             raise _UnmarkedRetrace
         names: dict[sympy.Symbol, str] = {}
+        sizes: dict[str, tuple[str | None, list[int | None]]] = {}  # source -> (argument, its static sizes)
         for node in gm.graph.nodes:
             if node.op != "placeholder":
                 continue
-            arg = _compat.local_name_of(_compat.placeholder_source(node), self._source_positional, *self._var_names,
+            source = _compat.placeholder_source(node)
+            arg = _compat.local_name_of(source, self._source_positional, *self._var_names,
                                         keywords=self._signature.parameters)
             value = _compat.node_value(node)
+            if arg is not None and isinstance(value, torch.Tensor):
+                sizes[_compat.source_name(source)] = (arg, [d if isinstance(d, int) else None for d in value.shape])
             if arg in self._arg_dims and isinstance(value, torch.Tensor):
                 for d, name in self._arg_dims[arg].items():
                     if not -value.dim() <= d < value.dim():
@@ -248,10 +254,30 @@ class ShapewiseModule:
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
                                                           "on_miss": self._on_miss, "fixed": fixed,
                                                           "refused": "skip" if self.runnables else "skip-sizes"})
+        self._warn_unmarked_change(sizes)
         self.runnables.append(runnable)
         self.trace_fixed.append(fixed)
         self._watch = runnable.runtime.watch or self._watch
         return self._direct_for(gm, example_inputs, runnable)
+
+    def _warn_unmarked_change(self, sizes: dict[str, tuple[str | None, list[int | None]]]) -> None:
+        """Warn (once per dim) when this trace exists because a dim no mark covers changed size
+        since an earlier trace: every new size of it will trace and compile again (a transformers
+        model called with ``input_ids`` [1, n] under the default marks, dim 0, traces per n)."""
+        for source, (arg, shape) in sizes.items():
+            before = next((t[source][1] for t in self._trace_sizes if len(t.get(source, ((), ()))[1]) == len(shape)),
+                          None)
+            for d, (was, now) in enumerate(zip(before or (), shape)):
+                if None in (was, now) or was == now or (arg, d) in self._warned_dims or \
+                        any(m % len(shape) == d for m in self._arg_dims.get(arg, {})):
+                    continue
+                self._warned_dims.add((arg, d))
+                marked = ", ".join(f"{a!r}: {sorted(m)}" for a, m in self._arg_dims.items()) or "none"
+                log.warning("shapewise: trace %d: dim %d of %r was %d in an earlier trace and is %d now, but it is "
+                            "not a dynamic dim (marked: {%s}), so Dynamo traced again and every new size of it will "
+                            "trace and compile again; name it: dynamic_dims={%r: %d}", len(self.runnables) + 1, d, arg,
+                            was, now, marked, arg, d)
+        self._trace_sizes.append(sizes)
 
     def _direct_for(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Runnable) -> Any:
         """What Dynamo calls for this trace: the runnable, or with ``direct_call``, a recorder of its

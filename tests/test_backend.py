@@ -96,6 +96,29 @@ def test_refused_size_is_named_with_its_guard_and_left_to_another_trace(caplog):
         fast(torch.randn(7, 3))
 
 
+def test_a_dim_that_changes_unmarked_is_named_when_it_traces_again(caplog):
+    # The default marks dim 0; a transformers model called with input_ids [1, n] varies dim 1,
+    # so Dynamo traces (and shapewise compiles) once per n. Say so, and name the fix, once.
+    def scale(x):
+        return x * 2
+
+    fast = sw.compile(scale, sizes=[2], backend="eager")
+    with caplog.at_level("WARNING", logger="shapewise"):
+        for n in (3, 5, 7):
+            x = torch.randn(2, n)
+            assert_same(fast(x), scale(x))
+    assert fast.traces == 3
+    warned = [r.getMessage() for r in caplog.records if "is not a dynamic dim" in r.getMessage()]
+    assert len(warned) == 1 and "dim 1 of 'x' was 3 in an earlier trace and is 5 now" in warned[0]
+    assert "dynamic_dims={'x': 1}" in warned[0]
+    caplog.clear()
+    fast = sw.compile(scale, sizes=[3, 5], dynamic_dims={"x": 1}, backend="eager")
+    with caplog.at_level("WARNING", logger="shapewise"):
+        for n in (3, 5):
+            fast(torch.randn(2, n))
+    assert fast.traces == 1 and "is not a dynamic dim" not in caplog.text
+
+
 def test_a_range_a_guard_refuses_is_an_error_up_front():
     def pairs(x):
         return x.view(-1, 2, x.shape[1]).sum(1)
