@@ -68,7 +68,7 @@ class DirectCall:
     def __init__(self, slots: list[tuple], runnable: Callable[..., Any], module: Any,
                  dims: dict[str, tuple[sympy.Expr, ...]] | None = None,
                  sizes: dict[tuple[str, int], sympy.Expr] | None = None) -> None:
-        self.slots = slots  # per graph input: ("param", tensor) | ("arg", name) | ("size", name, dim)
+        self.slots = slots  # per graph input: ("param", tensor or mesh) | ("arg", name) | ("size", name, dim)
         self.dims = dims or {}  # per tensor argument the graph reads: its traced sizes (ints or symbols)
         self.sizes = sizes or {}  # per (argument, dim) the graph reads a size of: that size's symbol
         self.runnable = runnable
@@ -335,8 +335,8 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
             value = _compat.node_value(node)
             if isinstance(value, torch.Tensor):
                 dims[name] = tuple(_compat.sym_expr(size) for size in value.shape)
-        elif name == "self" and isinstance(example, torch.Tensor):
-            slots.append(("param", example))
+        elif name == "self" and (isinstance(example, torch.Tensor) or _compat.distributed_fields(example) is not None):
+            slots.append(("param", example))  # a weight, or a DeviceMesh a DTensor hook holds: by identity
         else:
             return (f"input {node.name} comes from {_compat.source_name(source)}: neither an argument, its size, "
                     "nor the module's tensor")

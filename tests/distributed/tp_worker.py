@@ -79,9 +79,10 @@ def run_hf(rank: int, args: argparse.Namespace, device: torch.device) -> None:
     full = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=dtype).to(device).eval()
     # On GPUs as a server runs it: full CUDA graphs at one token, piecewise ones above, captured at
     # start-up, called past Dynamo's frame.
-    gpu = dict(cudagraphs={"mode": "full_and_piecewise", "full_up_to": 1, "capture": "startup"}, direct_call=True)
+    gpu = dict(cudagraphs={"mode": "full_and_piecewise", "full_up_to": 1, "capture": "startup"})
     fast = sw.compile(part, dynamic_dims={"input_ids": 1}, sizes=HF_SIZES, ranges=HF_RANGES, splitting_ops=["sdpa"],
-                      backend=args.backend, cache=args.cache or False, progress=False, **(gpu if args.nccl else {}))
+                      backend=args.backend, cache=args.cache or False, progress=False, direct_call=True,
+                      **(gpu if args.nccl else {}))
     worst = 0.0
     with torch.no_grad():
         for n in HF_CHECK * 2:  # on GPUs: capture, then replay
