@@ -96,6 +96,7 @@ def test_transformers_tp_plan_dtensor_weights(tmp_path):
         # Past Dynamo's guards (the DeviceMesh a DTensor hook holds is an input, taken by identity).
         assert result["direct_info"] == "trace 1 (n=1): on; trace 2: on", result["direct_info"]
         assert result["max_rel_error"] < 1e-5, f"rank {r}: {result['max_rel_error']}"
+        assert result["train_rel_error"] < 1e-5, f"rank {r}: loss or gradient {result['train_rel_error']}"
     artifacts = [{(row["trace"], row["piece"], row["key"]): row["artifact"] for row in result["rows"]}
                  for result in ranks]
     assert artifacts[0].keys() == artifacts[1].keys()
@@ -118,4 +119,5 @@ def test_transformers_dtensor_weights_on_gpus(tmp_path, world):
     for r, result in enumerate(ranks):
         assert result["dtensor_weights"] >= 14, f"rank {r}: {result['dtensor_weights']}"
         assert result["traces"] == 2 and result["max_rel_error"] < 2e-2, (r, result["max_rel_error"])
+        assert result["train_rel_error"] < 2e-2, (r, result["train_rel_error"])
         assert result["direct_info"] == "trace 1 (n=1): on; trace 2: on", result["direct_info"]

@@ -94,9 +94,24 @@ def run_hf(rank: int, args: argparse.Namespace, device: torch.device) -> None:
             for r in fast.report()]
     from torch.distributed.tensor import DTensor
 
+    # Training: one step at 4 tokens (aot_eager: the backward's graphs, not Inductor's, are the point),
+    # the loss and a row-parallel weight's gradient (gathered) against the unsharded model's.
+    part.train(), full.train()
+    train = sw.compile(part, dynamic_dims={"input_ids": 1, "labels": 1}, sizes=[4], splitting_ops=["sdpa"],
+                       backend="aot_eager", cache=False, progress=False)
+    ids = torch.randint(0, 128, (1, 4), generator=torch.Generator().manual_seed(4)).to(device)
+    losses = [m(input_ids=ids, labels=ids, use_cache=False).loss for m in (train, full)]
+    for loss in losses:
+        loss.backward()
+    down = [m.model.layers[0].mlp.down_proj.weight.grad for m in (part, full)]
+    grads = [down[0].full_tensor(), down[1]]
+    train_error = max(abs(float(losses[0] - losses[1])) / abs(float(losses[1])),
+                      float((grads[0] - grads[1]).norm() / grads[1].norm()))
+
     dtensors = sum(isinstance(p, DTensor) for p in part.parameters())
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "traces": fast.traces,
                                                                "max_rel_error": worst, "dtensor_weights": dtensors,
+                                                               "train_rel_error": train_error,
                                                                "direct_info": fast.direct_info}))
     dist.barrier()
 
