@@ -28,11 +28,13 @@ def _pre(text: str, summary: str | None = None) -> str:
 
 def _input_row(name: str, meta: Any) -> dict[str, Any]:
     if isinstance(meta, TensorMeta):
-        return {"input": name, "kind": str(meta.dtype).replace("torch.", ""),
+        kind = str(meta.dtype).replace("torch.", "")
+        return {"input": name, "kind": kind if meta.subclass is None else f"{kind} {meta.subclass.cls.__name__}",
                 "shape": "[" + ", ".join(str(e) for e in meta.shape) + "]",
                 "stride": "(" + ", ".join(str(e) for e in meta.stride) + ")", "offset": str(meta.offset)}
     if hasattr(meta, "free_symbols"):
         return {"input": name, "kind": "SymInt", "shape": str(meta), "stride": "", "offset": ""}
+    meta = getattr(meta, "real_obj", meta)  # an opaque object Dynamo lifted (a DeviceMesh), not its fake wrapper
     return {"input": name, "kind": type(meta).__name__, "shape": repr(meta), "stride": "", "offset": ""}
 
 

@@ -29,8 +29,10 @@ def _fmt_input(meta) -> str:
         stride = ", ".join(str(e) for e in meta.stride)
         dtype = str(meta.dtype).replace("torch.", "")
         off = f" offset={meta.offset}" if meta.offset != 0 else ""
-        return f"{dtype}[{shape}] stride=({stride}){off}"
-    return f"sym {meta}" if hasattr(meta, "free_symbols") else repr(meta)
+        sub = f" {meta.subclass.cls.__name__}" if meta.subclass is not None else ""
+        return f"{dtype}[{shape}] stride=({stride}){off}{sub}"
+    # An opaque object Dynamo lifted (a DeviceMesh) shows as itself, not as its fake wrapper.
+    return f"sym {meta}" if hasattr(meta, "free_symbols") else repr(getattr(meta, "real_obj", meta))
 
 
 def format_shapes(shapes: ShapeInfo) -> str:

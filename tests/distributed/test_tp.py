@@ -97,6 +97,7 @@ def test_transformers_tp_plan_dtensor_weights(tmp_path):
         assert result["direct_info"] == "trace 1 (n=1): on; trace 2: on", result["direct_info"]
         assert result["max_rel_error"] < 1e-5, f"rank {r}: {result['max_rel_error']}"
         assert result["train_rel_error"] < 1e-5, f"rank {r}: loss or gradient {result['train_rel_error']}"
+        assert "stride=(64, 1) DTensor" in result["shown"] and "DeviceMesh(" in result["shown"], result["shown"]
     artifacts = [{(row["trace"], row["piece"], row["key"]): row["artifact"] for row in result["rows"]}
                  for result in ranks]
     assert artifacts[0].keys() == artifacts[1].keys()

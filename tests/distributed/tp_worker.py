@@ -109,9 +109,11 @@ def run_hf(rank: int, args: argparse.Namespace, device: torch.device) -> None:
                       float((grads[0] - grads[1]).norm() / grads[1].norm()))
 
     dtensors = sum(isinstance(p, DTensor) for p in part.parameters())
+    shown = "\n".join(str(p.shapes) for p in fast.program.compute_pieces)  # how inspection shows the inputs
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "traces": fast.traces,
                                                                "max_rel_error": worst, "dtensor_weights": dtensors,
                                                                "train_rel_error": train_error,
+                                                               "shown": shown,
                                                                "direct_info": fast.direct_info}))
     dist.barrier()
 
