@@ -89,8 +89,14 @@ def test_transformers_tp_plan_dtensor_weights(tmp_path):
     # vocab offset into the embedding and head pieces. Those pieces must not be shared between
     # ranks (shared, rank 1 ran rank 0's embedding: relative error 0.83); a piece whose DTensor
     # weights are only taken to_local is the same code on both and is compiled once.
-    ranks = run_world(tmp_path, "--hf", "--cache", str(tmp_path / "cache"))
+    ranks = run_world(tmp_path, "--hf", "--hf-zoo", "--cache", str(tmp_path / "cache"))
     for r, result in enumerate(ranks):
+        # The zoo's other decoders that have a tp_plan (aot_eager): right answers at 1 and 4 tokens,
+        # sharded weights, direct calls on for both traces.
+        assert set(result["zoo"]) == {"qwen2", "qwen3", "mistral", "gemma3", "phi3", "gpt_neox"}
+        for name, z in result["zoo"].items():
+            assert z["dtensor_weights"] >= 10 and z["traces"] == 2, (r, name, z)
+            assert z["max_rel_error"] < 1e-5 and z["direct_info"] == "trace 1 (n=1): on; trace 2: on", (r, name, z)
         assert result["traces"] == 2, f"rank {r}: one trace for one token, one for the rest"
         assert result["dtensor_weights"] == 16, f"rank {r}: {result['dtensor_weights']}"  # embedding, 7 x 2, head
         # Past Dynamo's guards (the DeviceMesh a DTensor hook holds is an input, taken by identity).

@@ -110,7 +110,8 @@ def run_hf(rank: int, args: argparse.Namespace, device: torch.device) -> None:
 
     dtensors = sum(isinstance(p, DTensor) for p in part.parameters())
     shown = "\n".join(str(p.shapes) for p in fast.program.compute_pieces)  # how inspection shows the inputs
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "traces": fast.traces,
+    zoo = sweep_zoo(args, device) if args.hf_zoo else {}
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "traces": fast.traces, "zoo": zoo,
                                                                "max_rel_error": worst, "dtensor_weights": dtensors,
                                                                "train_rel_error": train_error,
                                                                "shown": shown,
@@ -131,6 +132,37 @@ def parallelize_one(model: torch.nn.Module, device: torch.device) -> None:
                   "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
                   "lm_head": ColwiseParallel(output_layouts=Replicate())})
     parallelize_module(model, init_device_mesh(device.type, (1,)), layer)
+
+
+def sweep_zoo(args: argparse.Namespace, device: torch.device) -> dict[str, dict]:
+    """The zoo's other decoders with transformers' tp_plan (those that have one), through
+    aot_eager, at 1 and 4 tokens: per model its DTensor weights, traces, worst relative error
+    against the unsharded model, and whether calls went past Dynamo's guards."""
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    import shapewise as sw
+
+    out = {}
+    for name in ZOO_TP:
+        path = Path(args.out) / name
+        part = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+        full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        fast = sw.compile(part, dynamic_dims={"input_ids": 1}, sizes=[1, 4], splitting_ops=["sdpa"],
+                          backend="aot_eager", cache=False, progress=False, direct_call=True)
+        worst = 0.0
+        with torch.no_grad():
+            for n in (1, 4, 1, 4):
+                ids = torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+                got, want = (m(input_ids=ids, use_cache=False).logits for m in (fast, full))
+                worst = max(worst, float((got - want).norm() / want.norm()))
+        out[name] = {"dtensor_weights": sum(isinstance(p, DTensor) for p in part.parameters()),
+                     "traces": fast.traces, "max_rel_error": worst, "direct_info": fast.direct_info}
+    return out
+
+
+#: The zoo's decoders that transformers gives a tp_plan (gpt2 and opt have none), llama aside.
+ZOO_TP = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "gpt_neox")
 
 
 def save_hf_model(path: Path) -> None:
@@ -177,10 +209,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--split-collectives", action="store_true", help="split the graph at the all-reduces too")
     ap.add_argument("--overlap", action="store_true", help="sw.passes.OverlapAllReduce at 8 rows (two slices of 4)")
     ap.add_argument("--hf", action="store_true", help="a tiny transformers Llama with tp_plan='auto' (DTensor)")
+    ap.add_argument("--hf-zoo", action="store_true", help="with --hf: the zoo's other decoders too (aot_eager)")
     args = ap.parse_args(argv)
     if args.hf:
         args.hf_model = str(Path(args.out) / "model")
         save_hf_model(Path(args.hf_model))
+    if args.hf_zoo:
+        from tests.models.configs import DECODERS
+
+        for name in ZOO_TP:
+            config, cls = DECODERS[name]
+            torch.manual_seed(0)
+            cls(config()).save_pretrained(Path(args.out) / name)
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         args.port = s.getsockname()[1]
