@@ -473,3 +473,36 @@ def test_a_model_dynamo_cannot_trace_as_one_graph_gets_a_shapewise_error():
     with pytest.raises(sw.ShapewiseError, match=r"Dynamo cannot trace _logs_then_doubles as one graph.*fullgraph") as e:
         fast(torch.randn(2, 3))
     assert e.value.__cause__ is not None  # Dynamo's own message is kept
+
+
+def test_a_tensor_subclass_weight_compiles_per_size():
+    # A traceable wrapper subclass as a weight (TwoTensor, PyTorch's own test subclass; DTensor
+    # is one too, tests/distributed): each compile gets a fake one rebuilt around fake inner
+    # tensors, its output is the subclass too, and the key spells the class and its inner layouts.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from shapewise.ir.keys import graph_key
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = torch.randn(8, 8)
+            self.w = torch.nn.Parameter(TwoTensor(w, 2 * w), requires_grad=False)
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.w).relu()
+
+    model = Scaled()
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], backend="aot_eager", direct_call=True)
+    with torch.no_grad():
+        for n in (2, 4, 7, 2):
+            x = torch.randn(n, 8)
+            out, ref = fast(x), model(x)
+            assert isinstance(out, TwoTensor)
+            assert_same(out.a, ref.a, f"n={n}")
+            assert_same(out.b, ref.b, f"n={n}")
+    assert [r["key"] for r in fast.report()] == ["{n=2}", "{n=4}", "{n=5..16}"]
+    assert fast.direct_info == "on"
+    piece = fast.program.compute_pieces[0]
+    assert "two_tensor.TwoTensor{" in graph_key(piece.gm, piece.shapes).text
+    assert "TwoTensor" in str(piece.shapes)
