@@ -254,7 +254,10 @@ class ShapewiseModule:
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
                                                           "on_miss": self._on_miss, "fixed": fixed,
                                                           "refused": "skip" if self.runnables else "skip-sizes"})
-        self._warn_unmarked_change(sizes)
+        try:
+            self._warn_unmarked_change(sizes)
+        except Exception as e:  # noqa: BLE001 - a diagnostic never fails a trace
+            log.debug("shapewise: the unmarked-dim check failed: %s", e)
         self.runnables.append(runnable)
         self.trace_fixed.append(fixed)
         self._watch = runnable.runtime.watch or self._watch
@@ -265,7 +268,7 @@ class ShapewiseModule:
         since an earlier trace: every new size of it will trace and compile again (a transformers
         model called with ``input_ids`` [1, n] under the default marks, dim 0, traces per n)."""
         for source, (arg, shape) in sizes.items():
-            before = next((t[source][1] for t in self._trace_sizes if len(t.get(source, ((), ()))[1]) == len(shape)),
+            before = next((t[source][1] for t in self._trace_sizes if source in t and len(t[source][1]) == len(shape)),
                           None)
             for d, (was, now) in enumerate(zip(before or (), shape)):
                 if None in (was, now) or was == now or (arg, d) in self._warned_dims or \

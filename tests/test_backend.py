@@ -118,6 +118,14 @@ def test_a_dim_that_changes_unmarked_is_named_when_it_traces_again(caplog):
             fast(torch.randn(2, n))
     assert fast.traces == 1 and "is not a dynamic dim" not in caplog.text
 
+    def scale_by(x, s=None):  # a 0-dim argument the first trace did not have (it made the warning raise)
+        return x * 2 if s is None else x * s
+
+    fast = sw.compile(scale_by, sizes=[2], backend="eager")
+    x = torch.randn(2, 3)
+    assert_same(fast(x), scale_by(x))
+    assert_same(fast(x, torch.tensor(3.0)), scale_by(x, torch.tensor(3.0)))
+
 
 def test_a_range_a_guard_refuses_is_an_error_up_front():
     def pairs(x):

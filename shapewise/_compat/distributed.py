@@ -27,7 +27,10 @@ def distributed_fields(obj: Any, rank: bool = True) -> tuple | None:
 
     real = getattr(obj, "real_obj", obj)  # Dynamo lifts a mesh as an opaque input: a FakeScriptObject around it
     if isinstance(real, DeviceMesh):
-        groups = tuple(real.get_group(d).group_name for d in range(real.ndim))
+        try:
+            groups = tuple(real.get_group(d).group_name for d in range(real.ndim))
+        except RuntimeError:  # a mesh made without process groups: its code names none
+            groups = ()
         where = tuple(real.get_coordinate() or ()) if rank else "any rank"
         return ("DeviceMesh", real.device_type, tuple(real.mesh.flatten().tolist()), tuple(real.mesh.shape),
                 tuple(real.mesh_dim_names or ()), groups, where)

@@ -90,11 +90,11 @@ class GraphedPiece:
                 return self.fn(*args)
             return self._capture(args) if self.warmed else self._warm_up(args)
         for i, ptr in self.fixed_slots:
-            if args[i].data_ptr() != ptr:
+            if address(args[i]) != ptr:
                 return self._fallback(args, i)
         for i, ptr, stride in self.adopted:
             a = args[i]
-            if a.data_ptr() != ptr or a.stride() != stride:
+            if address(a) != ptr or a.stride() != stride:
                 self.group.moved(self, i)  # this size is captured again, copying it in
                 return self.fn(*args)
         for i, static in self.copy_slots:
@@ -124,6 +124,11 @@ class GraphedPiece:
             # from pageable host memory cannot be captured: run this one as compiled, every call
             # (transformers' static cache counter lives on the host until its first update).
             self.uncaptured = f"input(s) {host} on the host"
+        subclass = [i for i, a in enumerate(args) if _compat.is_traceable_wrapper_subclass(a) and not is_fixed(a)]
+        if subclass and not host:
+            # A DTensor that is not a weight (an activation): static buffers are plain tensors.
+            self.uncaptured = f"tensor-subclass input(s) {subclass} that are not parameters"
+        if self.uncaptured:
             log.info("shapewise: %s at %s is not captured in a CUDA graph: %s", self.name, self.key, self.uncaptured)
             return self.fn(*args)
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
@@ -142,11 +147,11 @@ class GraphedPiece:
                     continue
                 # Parameters, outputs of an earlier graph, and tensors marked as living at one
                 # address (a static KV cache, which the graph also writes) are used in place.
-                if is_fixed(a) or a.data_ptr() in live:
-                    fixed.append((i, a.data_ptr()))
+                if is_fixed(a) or address(a) in live:
+                    fixed.append((i, address(a)))
                     continue
                 if adopt and i in self.adoptable and i not in self.mutated:
-                    adopted.append((i, a.data_ptr(), a.stride()))  # where the splitting op put it
+                    adopted.append((i, address(a), a.stride()))  # where the splitting op put it
                     continue
                 buf = self.buffers[i]
                 view = buf.view(self.key) if buf is not None else torch.empty_like(a)
@@ -160,7 +165,7 @@ class GraphedPiece:
             with torch.cuda.graph(graph, pool=self.pool.get()):
                 outputs = self.fn(*static_args)
             for t in tensors_of(outputs):
-                live.add(t.data_ptr())
+                live.add(address(t))
             self.fixed_slots, self.copy_slots, self.write_back, self.adopted = fixed, copies, write_back, adopted
             self.outputs = outputs
             self.graph = graph
@@ -173,7 +178,7 @@ class GraphedPiece:
     def reset(self, live: set[int]) -> None:
         """Drop the graph; the piece captures again on its next call (``SizeGraphs.moved``)."""
         for t in tensors_of(self.outputs):
-            live.discard(t.data_ptr())
+            live.discard(address(t))
         self.graph, self.outputs = None, None
         self.fixed_slots, self.copy_slots, self.write_back, self.adopted = [], [], [], []
 
@@ -254,13 +259,23 @@ class StagedInputs:
             live = self.pool.static_ptrs.setdefault(self.key, set())
             for i, a in enumerate(args):
                 buf = self.buffers[i] if i < len(self.buffers) else None
-                if buf is None or not isinstance(a, torch.Tensor) or not a.is_cuda or is_fixed(a) or i in self.written:
+                if buf is None or not isinstance(a, torch.Tensor) or not a.is_cuda or is_fixed(a) or i in self.written \
+                        or _compat.is_traceable_wrapper_subclass(a):
                     continue
                 static = buf.view(self.key)
                 live.add(static.data_ptr())  # the pieces read it in place, as an earlier graph's output
                 slots.append((i, static))
         self.slots = slots
         return slots
+
+
+def address(t: torch.Tensor) -> int | tuple:
+    """Where ``t``'s data is: its data pointer; for a tensor subclass (a DTensor, whose own
+    pointer is 0), its inner tensors' addresses."""
+    if _compat.is_traceable_wrapper_subclass(t):
+        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+        return tuple(address(x) for x in inner if isinstance(x, torch.Tensor))
+    return t.data_ptr()
 
 
 def is_fixed(t: torch.Tensor) -> bool:

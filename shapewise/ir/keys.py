@@ -158,9 +158,11 @@ class _Normaliser:
             i = index[node]
             if node.op == "placeholder":
                 meta = metas[ph] if metas is not None and ph < len(metas) else None
-                # A DTensor weight whose only use is its local shard compiles the same on every rank.
-                self.any_rank = bool(node.users) and all(u.op == "call_method" and u.target == "to_local"
-                                                         for u in node.users)
+                # A DTensor weight whose only use is its local shard compiles the same on every rank
+                # (in inference: a training graph's backward builds the weight's gradient as a
+                # DTensor of the compiling rank's mesh).
+                self.any_rank = not torch.is_grad_enabled() and bool(node.users) and all(
+                    u.op == "call_method" and u.target == "to_local" for u in node.users)
                 lines.append(f"%{i} = input {self.meta(meta) if meta is not None else 'unknown'}")
                 self.any_rank = False
                 ph += 1

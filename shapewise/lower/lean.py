@@ -81,12 +81,15 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
             elif inner is None:
                 out, flat = _flattening(fn, graph, params, args)
                 if flat is None:  # a flat argument this cannot tell where it came from: stay wrapped
+                    inner = fn  # (for good: ``flat`` None below sends every call through ``fn``)
                     return out
             else:
                 return fn(*args)
             inner = graph.current_callable
             return out
-        if flat is not None:
+        if subclass:
+            if flat is None:
+                return fn(*args)
             if grad_enabled():
                 set_grad(False)
                 try:
@@ -136,6 +139,8 @@ def _flattening(fn: Callable[..., Any], graph: Any, params: list[Any],
              for attr in a.__tensor_flatten__()[0]]
     getters: list[Callable[[tuple], Any]] = []
     for x in (seen[0] if len(seen) == 1 else [object()]):
+        if isinstance(x, (int, float, bool, torch.SymInt)):
+            return out, None  # a size the wrappers append (a subclass of symbolic size): equal ints look alike
         k = next((k for k, p in enumerate(params) if p is x), None)
         found = next(((j, attr) for j, attr, v in inner if v is x), None)
         j = next((j for j, a in enumerate(args) if a is x), None)
