@@ -76,7 +76,8 @@ class GraphedPiece:
         self.outputs: Any = None
         self.copy_slots: list[tuple[int, torch.Tensor]] = []
         self.write_back: list[tuple[int, torch.Tensor]] = []  # copied inputs the graph writes in place
-        self.fixed_slots: list[tuple[int, int]] = []
+        self.fixed_slots: list[tuple[int, int]] = []  # (input, data pointer) used in place
+        self.fixed_inner: list[tuple[int, tuple]] = []  # subclass inputs (DTensor weights): inner addresses
         self.adopted: list[tuple[int, int, tuple[int, ...]]] = []  # (input, address, strides) read in place
         self.mutated: set[int] = set()  # inputs the warm-up wrote in place (their version moved)
         self.warmed = False
@@ -90,11 +91,14 @@ class GraphedPiece:
                 return self.fn(*args)
             return self._capture(args) if self.warmed else self._warm_up(args)
         for i, ptr in self.fixed_slots:
-            if address(args[i]) != ptr:
+            if args[i].data_ptr() != ptr:
+                return self._fallback(args, i)
+        for i, ptrs in self.fixed_inner:
+            if address(args[i]) != ptrs:
                 return self._fallback(args, i)
         for i, ptr, stride in self.adopted:
             a = args[i]
-            if address(a) != ptr or a.stride() != stride:
+            if a.data_ptr() != ptr or a.stride() != stride:
                 self.group.moved(self, i)  # this size is captured again, copying it in
                 return self.fn(*args)
         for i, static in self.copy_slots:
@@ -140,7 +144,7 @@ class GraphedPiece:
         with self.pool.lock:
             live = self.pool.static_ptrs.setdefault(self.key, set())
             static_args = list(args)
-            fixed, copies, write_back, adopted = [], [], [], []  # committed only once the graph exists
+            fixed, inner, copies, write_back, adopted = [], [], [], [], []  # committed once the graph exists
             adopt = self.group is not None and self.group.adopt
             for i, a in enumerate(args):
                 if not isinstance(a, torch.Tensor):
@@ -148,10 +152,10 @@ class GraphedPiece:
                 # Parameters, outputs of an earlier graph, and tensors marked as living at one
                 # address (a static KV cache, which the graph also writes) are used in place.
                 if is_fixed(a) or address(a) in live:
-                    fixed.append((i, address(a)))
+                    (inner if _compat.is_traceable_wrapper_subclass(a) else fixed).append((i, address(a)))
                     continue
-                if adopt and i in self.adoptable and i not in self.mutated:
-                    adopted.append((i, address(a), a.stride()))  # where the splitting op put it
+                if adopt and i in self.adoptable and i not in self.mutated:  # (never a subclass: see _warm_up)
+                    adopted.append((i, a.data_ptr(), a.stride()))  # where the splitting op put it
                     continue
                 buf = self.buffers[i]
                 view = buf.view(self.key) if buf is not None else torch.empty_like(a)
@@ -166,7 +170,8 @@ class GraphedPiece:
                 outputs = self.fn(*static_args)
             for t in tensors_of(outputs):
                 live.add(address(t))
-            self.fixed_slots, self.copy_slots, self.write_back, self.adopted = fixed, copies, write_back, adopted
+            self.fixed_slots, self.fixed_inner, self.copy_slots = fixed, inner, copies
+            self.write_back, self.adopted = write_back, adopted
             self.outputs = outputs
             self.graph = graph
         graph.replay()
@@ -180,7 +185,7 @@ class GraphedPiece:
         for t in tensors_of(self.outputs):
             live.discard(address(t))
         self.graph, self.outputs = None, None
-        self.fixed_slots, self.copy_slots, self.write_back, self.adopted = [], [], [], []
+        self.fixed_slots, self.fixed_inner, self.copy_slots, self.write_back, self.adopted = [], [], [], [], []
 
 
 class SizeGraphs:
