@@ -33,8 +33,9 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
     on a 2-core CPU (benchmarks/bench_host.py). The chain has work only for: training graphs
     (a backward), inputs the graph writes or that alias each other (mutations applied back,
     duplicate and synthetic-base arguments), outputs that alias an input or each other
-    (regenerated as views), tensor-subclass outputs, autocast (the compiled code runs with it off) and grad mode (an
-    inference graph runs with grad off, so inputs that require grad give outputs that do not).
+    (regenerated as views), tensor-subclass outputs (built again), autocast (the compiled code
+    runs with it off) and grad mode (an inference graph runs with grad off, so inputs that
+    require grad give outputs that do not).
     A piece with none of the first four calls the compiled module's ``call(list)`` directly with
     the parameters AOTAutograd prepends, with grad off as the wrapper has it. Aliasing outputs
     that only feed later pieces (``piece.returned`` says which reach the caller) need no
@@ -42,8 +43,9 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
     (``reinterpret_tensor``), which is all a later piece reads; only a view the caller gets
     must be the one eager makes. The first call, and any call under autocast, goes through ``fn``.
     Tensor-subclass inputs (DTensor weights) are flattened as the wrappers flatten them, by the
-    attribute reads that the first call shows give the same objects (``_flattening``): 0.4-0.8 ms
-    per forward of a 4-layer transformers Llama on the H200 machine (benchmarks/bench_dtensor.py).
+    attribute reads that the first call shows give the same objects (``_flattening``). With that
+    and direct calls, DTensor weights cost 0-2% over plain ones without CUDA graphs on the H200
+    machine, against 30-80% through the wrappers and guards (benchmarks/bench_dtensor.py).
     """
     args = [a for a in variant.example_args if isinstance(a, torch.Tensor)]
     if any(a.requires_grad for a in args) and torch.is_grad_enabled():
@@ -75,35 +77,23 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
 
     def call(*args: Any) -> Any:
         nonlocal inner, flat
-        if inner is None or autocast():
-            if not subclass:
-                out = fn(*args)
-            elif inner is None:
+        if inner is None:
+            if subclass:  # None where some entry's origin is unclear: then every call goes through fn
                 out, flat = _flattening(fn, graph, params, args)
-                if flat is None:  # a flat argument this cannot tell where it came from: stay wrapped
-                    inner = fn  # (for good: ``flat`` None below sends every call through ``fn``)
-                    return out
             else:
-                return fn(*args)
+                out = fn(*args)
             inner = graph.current_callable
             return out
-        if subclass:
-            if flat is None:
-                return fn(*args)
-            if grad_enabled():
-                set_grad(False)
-                try:
-                    return inner(flat(args))
-                finally:
-                    set_grad(True)
-            return inner(flat(args))
+        if autocast() or (subclass and flat is None):
+            return fn(*args)
+        flat_args = flat(args) if subclass else [*params, *args]
         if grad_enabled():
             set_grad(False)
             try:
-                return inner([*params, *args])
+                return inner(flat_args)
             finally:
                 set_grad(True)
-        return inner([*params, *args])
+        return inner(flat_args)
 
     call.__wrapped__ = fn  # type: ignore[attr-defined] - the artifact, for its generated code
     return call
