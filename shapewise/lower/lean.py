@@ -110,9 +110,11 @@ def _returns_subclass(piece: Piece) -> bool:
 def _flattening(fn: Callable[..., Any], graph: Any, params: list[Any],
                 args: tuple) -> tuple[Any, Callable[[tuple], list] | None]:
     """``fn(*args)``, and how to build, without the wrappers, the list they hand the compiled
-    code: each entry found by identity among the parameters, the arguments, and the inner
-    attributes of subclass arguments (a DTensor's ``_local_tensor``) on this call. None where
-    some entry is none of those (the wrappers' flattening then stays)."""
+    code, checked against what they handed it on this call: the parameters, then per argument
+    either its inner attributes in ``__tensor_flatten__`` order (a subclass: a DTensor's
+    ``_local_tensor``, its mesh) or itself, each the same object (or an equal constant). None
+    where the list is laid out otherwise (sizes the wrappers append for a subclass of symbolic
+    size, say): the wrappers then stay."""
     seen: list[list[Any]] = []
     compiled = graph.current_callable
 
@@ -125,23 +127,18 @@ def _flattening(fn: Callable[..., Any], graph: Any, params: list[Any],
         out = fn(*args)
     finally:
         graph.current_callable = compiled
-    inner = [(j, attr, getattr(a, attr)) for j, a in enumerate(args) if _compat.is_traceable_wrapper_subclass(a)
-             for attr in a.__tensor_flatten__()[0]]
-    getters: list[Callable[[tuple], Any]] = []
-    for x in (seen[0] if len(seen) == 1 else [object()]):
-        if isinstance(x, (int, float, bool, torch.SymInt)):
-            return out, None  # a size the wrappers append (a subclass of symbolic size): equal ints look alike
-        k = next((k for k, p in enumerate(params) if p is x), None)
-        found = next(((j, attr) for j, attr, v in inner if v is x), None)
-        j = next((j for j, a in enumerate(args) if a is x), None)
-        if k is not None:
-            getters.append(lambda _, p=params[k]: p)
-        elif found is not None:
-            getters.append(lambda a, j=found[0], get=operator.attrgetter(found[1]): get(a[j]))
-        elif j is not None:
-            getters.append(operator.itemgetter(j))
+    expected: list[tuple[Any, Callable[[tuple], Any]]] = [(p, lambda _, p=p: p) for p in params]
+    for j, a in enumerate(args):
+        if _compat.is_traceable_wrapper_subclass(a):
+            expected.extend((getattr(a, attr), lambda args, j=j, get=operator.attrgetter(attr): get(args[j]))
+                            for attr in a.__tensor_flatten__()[0])
         else:
-            return out, None
+            expected.append((a, operator.itemgetter(j)))
+    if len(seen) != 1 or len(seen[0]) != len(expected) or not all(
+            x is want or (not isinstance(want, torch.Tensor) and type(x) is type(want) and x == want)
+            for x, (want, _) in zip(seen[0], expected)):
+        return out, None
+    getters = [get for _, get in expected]
     return out, lambda a: [g(a) for g in getters]
 
 
