@@ -80,6 +80,7 @@ def lean_call(fn: Callable[..., Any], piece: Piece, variant: Variant) -> Callabl
         if inner is None:
             if subclass:  # None where some entry's origin is unclear: then every call goes through fn
                 out, flat = _flattening(fn, graph, params, args)
+                call.flattened = flat is not None  # type: ignore[attr-defined] - what the first call decided
             else:
                 out = fn(*args)
             inner = graph.current_callable

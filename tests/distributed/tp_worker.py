@@ -120,12 +120,16 @@ def run_hf(rank: int, args: argparse.Namespace, device: torch.device) -> None:
                       float((grads[0] - grads[1]).norm() / grads[1].norm()))
 
     dtensors = sum(isinstance(p, DTensor) for p in part.parameters())
+    # Per compiled variant with DTensor inputs: whether its calls build the compiled code's
+    # arguments themselves (lean) or went back through AOTAutograd's wrappers.
+    flattened = [v.compiled.flattened for r in fast.runnables for p in r.program.compute_pieces for v in p.variants
+                 if hasattr(v.compiled, "flattened")]
     shown = "\n".join(str(p.shapes) for p in fast.program.compute_pieces)  # how inspection shows the inputs
     zoo = sweep_zoo(args, device) if args.hf_zoo else {}
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "traces": fast.traces, "zoo": zoo,
                                                                "max_rel_error": worst, "dtensor_weights": dtensors,
                                                                "train_rel_error": train_error,
-                                                               "shown": shown,
+                                                               "shown": shown, "flattened": flattened,
                                                                "direct_info": fast.direct_info}))
     dist.barrier()
 
