@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
-    "is_traceable_wrapper_subclass",
+    "is_traceable_wrapper_subclass", "subclass_inner",
     "compute_required_storage_length",
     "evaluate_at", "fake_mode_active", "fresh_tracing_context", "make_symint", "no_zero_one_specialisation",
     "node_value", "range_guard_violations", "shape_env_of", "storage_length", "sym_expr", "symbol_hints",
@@ -25,6 +25,13 @@ __all__ = [
 
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def subclass_inner(t: torch.Tensor) -> list[tuple[str, Any]]:
+    """A traceable subclass's inner values, in ``__tensor_flatten__`` order: (attribute, value),
+    each a tensor or an object it carries (a DTensor's ``_local_tensor`` and, in newer torch,
+    its ``device_mesh``)."""
+    return [(name, getattr(t, name)) for name in t.__tensor_flatten__()[0]]
 
 
 def fake_mode_active() -> bool:

@@ -16,6 +16,7 @@ from shapewise._compat import (
     is_traceable_wrapper_subclass,
     node_value,
     shape_env_of,
+    subclass_inner,
     sym_expr,
     symbol_hints,
     trace_guards,
@@ -66,10 +67,8 @@ def tensor_meta(v: torch.Tensor) -> TensorMeta:
     stride = tuple(sym_expr(d) for d in v.stride())
     sub = None
     if is_traceable_wrapper_subclass(v):
-        attrs, ctx = v.__tensor_flatten__()
-        inner = ((a, getattr(v, a)) for a in attrs)  # tensors, or objects a subclass carries (a DeviceMesh)
-        sub = SubclassMeta(type(v), ctx, tuple((a, tensor_meta(x) if isinstance(x, torch.Tensor) else x)
-                                               for a, x in inner))
+        sub = SubclassMeta(type(v), v.__tensor_flatten__()[1], tuple(
+            (a, tensor_meta(x) if isinstance(x, torch.Tensor) else x) for a, x in subclass_inner(v)))
         offset = sympy.Integer(0)  # the outer tensor owns no storage
     else:
         offset = sym_expr(v.storage_offset())

@@ -151,8 +151,9 @@ class GraphedPiece:
                     continue
                 # Parameters, outputs of an earlier graph, and tensors marked as living at one
                 # address (a static KV cache, which the graph also writes) are used in place.
-                if is_fixed(a) or address(a) in live:
-                    (inner if _compat.is_traceable_wrapper_subclass(a) else fixed).append((i, address(a)))
+                at = address(a)
+                if is_fixed(a) or at in live:
+                    (inner if _compat.is_traceable_wrapper_subclass(a) else fixed).append((i, at))
                     continue
                 if adopt and i in self.adoptable and i not in self.mutated:  # (never a subclass: see _warm_up)
                     adopted.append((i, a.data_ptr(), a.stride()))  # where the splitting op put it
@@ -278,8 +279,7 @@ def address(t: torch.Tensor) -> int | tuple:
     """Where ``t``'s data is: its data pointer; for a tensor subclass (a DTensor, whose own
     pointer is 0), its inner tensors' addresses."""
     if _compat.is_traceable_wrapper_subclass(t):
-        inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
-        return tuple(address(x) for x in inner if isinstance(x, torch.Tensor))
+        return tuple(address(x) for _, x in _compat.subclass_inner(t) if isinstance(x, torch.Tensor))
     return t.data_ptr()
 
 

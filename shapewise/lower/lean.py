@@ -131,8 +131,8 @@ def _flattening(fn: Callable[..., Any], graph: Any, params: list[Any],
     expected: list[tuple[Any, Callable[[tuple], Any]]] = [(p, lambda _, p=p: p) for p in params]
     for j, a in enumerate(args):
         if _compat.is_traceable_wrapper_subclass(a):
-            expected.extend((getattr(a, attr), lambda args, j=j, get=operator.attrgetter(attr): get(args[j]))
-                            for attr in a.__tensor_flatten__()[0])
+            expected.extend((value, lambda args, j=j, get=operator.attrgetter(attr): get(args[j]))
+                            for attr, value in _compat.subclass_inner(a))
         else:
             expected.append((a, operator.itemgetter(j)))
     if len(seen) != 1 or len(seen[0]) != len(expected) or not all(
