@@ -13,7 +13,14 @@ Contenders (each on its own copy of the same weights):
   shapewise         ``sw.compile_generate(model, prompt_sizes=[128], max_length=384,
                     static_cache=True, cudagraphs="full")``: one trace for prefill, one for
                     decode, each static, each in a CUDA graph;
-  shapewise_dyncache  the default dynamic cache (decode symbolic in the KV length), no graphs.
+  shapewise_dyncache  the default dynamic cache (decode symbolic in the KV length), no graphs;
+  shapewise_frame / shapewise_dyncache_frame  the same with ``direct_call=False``: every decode
+                    step through Dynamo's frame and its guards (compile_generate's calls go past
+                    it by default).
+
+``--dtensor``: every contender's weights as DTensors (torch.distributed.tensor.parallel's
+colwise / rowwise plan on a mesh of this one GPU, NCCL world size 1), as a tensor-parallel rank
+holds them: Dynamo's guards then check each weight's DTensor spec on every call.
 
 Per contender: the first ``generate()``'s wall time (compiles + capture + one generation),
 time to first token (median of ``generate(max_new_tokens=1)``), decode tokens/s (median of
@@ -24,6 +31,7 @@ near-tied logits, so a compiled kernel's bf16 rounding can flip an argmax, after
 sequences part).
 
     PYTHONPATH=. python3 benchmarks/bench_generate.py --out /tmp/gen
+    PYTHONPATH=. python3 benchmarks/bench_generate.py --dtensor --out /tmp/gen-dtensor
     python3 benchmarks/bench_generate.py --device cpu --tiny --out /tmp/gen-cpu   # smoke test
 """
 
@@ -47,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shapewise as sw  # noqa: E402
 from shapewise._compat import dynamo_unique_graphs  # noqa: E402
 
-CONTENDERS = ("eager", "hf_recipe", "shapewise", "shapewise_dyncache")
+CONTENDERS = ("eager", "hf_recipe", "shapewise", "shapewise_frame", "shapewise_dyncache", "shapewise_dyncache_frame")
 
 
 def make_model(tiny: bool, device: str, dtype: torch.dtype, layers: int | None):
@@ -89,18 +97,36 @@ def prepare(name: str, model, prompt: int, new: int, cudagraphs: bool) -> Any:
 
         model.generation_config.cache_implementation = "static"
         model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
-    elif name == "shapewise":
+    elif name in ("shapewise", "shapewise_frame"):
         return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
-                                   backend="inductor", cudagraphs="full" if cudagraphs else False, progress=False)
-    elif name == "shapewise_dyncache":
+                                   backend="inductor", cudagraphs="full" if cudagraphs else False, progress=False,
+                                   direct_call=name == "shapewise")
+    elif name in ("shapewise_dyncache", "shapewise_dyncache_frame"):
         return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, backend="inductor",
-                                   progress=False)
+                                   progress=False, direct_call=name == "shapewise_dyncache")
     return None
+
+
+def parallelize(model: torch.nn.Module, device: str) -> None:
+    """DTensor weights: torch's tensor-parallel plan on a mesh of one device (world size 1)."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.distributed.tp_worker import parallelize_one
+
+    if not dist.is_initialized():
+        import os
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    parallelize_one(model, torch.device(device, 0) if device == "cuda" else torch.device(device))
 
 
 def run_contender(name: str, base, ids: torch.Tensor, args: argparse.Namespace, expected: Any):
     device = args.device
     model = copy.deepcopy(base)
+    if args.dtensor:
+        parallelize(model, device)
     torch._dynamo.reset()
     graphs0 = dynamo_unique_graphs()
     fast = prepare(name, model, ids.shape[1], args.new, device == "cuda")
@@ -127,6 +153,7 @@ def run_contender(name: str, base, ids: torch.Tensor, args: argparse.Namespace, 
     }
     if fast is not None:
         row["shapewise_traces"] = fast.traces
+        row["direct_info"], row["direct_calls"] = fast.direct_info, fast.direct_calls
         row["shapewise_variants"] = [f"{r['trace']} {r['piece']} {r['key']}" if "trace" in r else r["key"]
                                      for r in fast.report()][:64]
     if expected is not None:
@@ -144,8 +171,8 @@ def markdown(result: dict[str, Any]) -> str:
              f"{result['date']}. Prompt {result['prompt']} tokens, {result['new']} new tokens, batch 1, "
              f"medians of {result['repeats']} runs after one warm-up generation.", "",
              "| contender | decode tokens/s | vs hf_recipe | time to first token (ms) | first generate() (s) "
-             "| Dynamo graphs | prefill logits rel. err. vs eager | same tokens as eager |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "| Dynamo graphs | direct calls | prefill logits rel. err. vs eager | same tokens as eager |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     rows = [r for r in result["rows"] if "error" not in r]
     base = next((r["decode_tokens_per_s"] for r in rows if r["contender"] == "hf_recipe"), None)
     for r in rows:
@@ -153,10 +180,11 @@ def markdown(result: dict[str, Any]) -> str:
         same = "yes" if r.get("same_tokens_as_eager", True) else f"no (from token {r['first_difference']})"
         err = f"{r['prefill_logits_rel_err']:.1e}" if "prefill_logits_rel_err" in r else "-"
         lines.append(f"| {r['contender']} | {r['decode_tokens_per_s']:,} | {ratio} | {r['ttft_ms']} | "
-                     f"{r['first_generate_s']} | {r['dynamo_graphs']} | {err} | {same} |")
+                     f"{r['first_generate_s']} | {r['dynamo_graphs']} | {r.get('direct_calls', '-')} | {err} "
+                     f"| {same} |")
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['contender']} | failed: {r['error'][:150]} | | | | | | |")
+            lines.append(f"| {r['contender']} | failed: {r['error'][:150]} | | | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -170,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--dtensor", action="store_true", help="every contender's weights as DTensors (world size 1)")
     args = ap.parse_args(argv)
     import transformers
 
@@ -181,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     hardware = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
     result: dict[str, Any] = {
         "model": f"LlamaForCausalLM, {'tiny' if args.tiny else 'Llama-3.2-1B shapes'}, "
-                 f"{base.config.num_hidden_layers} layers, {nparams / 1e6:.0f}M parameters, {str(dtype)[6:]}",
+                 f"{base.config.num_hidden_layers} layers, {nparams / 1e6:.0f}M parameters, {str(dtype)[6:]}"
+                 + (", DTensor weights (TP plan, world size 1)" if args.dtensor else ""),
         "hardware": hardware, "torch": torch.__version__, "transformers": transformers.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "prompt": args.prompt, "new": args.new, "repeats": args.repeats, "rows": [],

@@ -37,6 +37,7 @@ list appended to) are skipped. Only use it for forwards without them (vLLM's rul
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import threading
@@ -52,7 +53,7 @@ from shapewise import _compat
 from shapewise.dispatch.guards import python_expr
 from shapewise.errors import DispatchMiss
 
-__all__ = ["MISS", "DirectCall", "DirectCalls", "build_direct_call"]
+__all__ = ["MISS", "DirectCall", "DirectCalls", "bound_module", "build_direct_call", "self_in_args"]
 
 log = logging.getLogger("shapewise")
 
@@ -60,17 +61,27 @@ log = logging.getLogger("shapewise")
 MISS = object()
 
 _CONSTANTS = (type(None), bool, int, float, str)
+_STATE_TYPES = (torch.dtype, torch.device)
 
 
 class DirectCall:
-    """One trace's direct call: ``__call__(args, kwargs)`` -> the result, or ``MISS``."""
+    """One trace's direct call: ``__call__(args, kwargs)`` -> the result, or ``MISS``.
+
+    A *place* is where the call finds a graph input: ``(argument name, steps)``, the steps into
+    the argument empty for the argument itself, else its attributes and items
+    (``("cache", (("attr", "layers"), ("item", 0), ("attr", "keys")))``)."""
 
     def __init__(self, slots: list[tuple], runnable: Callable[..., Any], module: Any,
-                 dims: dict[str, tuple[sympy.Expr, ...]] | None = None,
-                 sizes: dict[tuple[str, int], sympy.Expr] | None = None) -> None:
-        self.slots = slots  # per graph input: ("param", tensor or mesh) | ("arg", name) | ("size", name, dim)
-        self.dims = dims or {}  # per tensor argument the graph reads: its traced sizes (ints or symbols)
-        self.sizes = sizes or {}  # per (argument, dim) the graph reads a size of: that size's symbol
+                 dims: dict[tuple, tuple[sympy.Expr, ...]] | None = None,
+                 sizes: dict[tuple[tuple, int], sympy.Expr] | None = None,
+                 stores: Sequence[tuple[tuple, str]] = (), traced: dict[tuple, torch.Tensor] | None = None) -> None:
+        self.slots = slots  # per graph input: ("param", tensor or mesh) | ("arg", place) | ("size", place, dim)
+        self.dims = dims or {}  # per tensor place the graph reads: its traced sizes (ints or symbols)
+        self.sizes = sizes or {}  # per (place, dim) the graph reads a size of: that size's symbol
+        self.stores = list(stores)  # (an object's place, attribute) the forward sets to a tensor it computes
+        # Per tensor place inside an argument: the tensor the trace saw. The arming call's own may
+        # have been replaced by then (a KV cache's keys, set to the new tensor after the graph).
+        self.traced = traced or {}
         self.runnable = runnable
         self.module = module
         self.fn: Callable[[tuple, dict], Any] | None = None  # generated when armed
@@ -83,9 +94,10 @@ class DirectCall:
         if len(args) > len(positional):
             return "positional arguments past the named ones (*args)"
         named.update(kwargs)
-        for slot in self.slots:
-            if slot[0] in ("arg", "size") and slot[1] not in named:
-                return f"the graph reads argument {slot[1]!r}, which this call did not pass (a default)"
+        places = [s[1] for s in self.slots if s[0] != "param"] + [p for p, _ in self.stores]
+        for place in places:
+            if place[0] not in named:
+                return f"the graph reads argument {place[0]!r}, which this call did not pass (a default)"
         leaves, spec = pytree.tree_flatten(result)
         where = []
         for leaf in leaves:
@@ -96,6 +108,8 @@ class DirectCall:
                 where.append(("out", idx))
             elif type(leaf) in _CONSTANTS:
                 where.append(("const", leaf))
+            elif any(leaf is named[p[0]] for p in places):
+                where.append(("obj", next(p[0] for p in places if leaf is named[p[0]])))  # a KV cache returned
             else:
                 return f"the result holds a {type(leaf).__name__}, which is not a tensor or a constant"
         env = {"MISS": MISS, "Tensor": torch.Tensor, "run": self.runnable, "module": self.module, "spec": spec,
@@ -108,58 +122,69 @@ class DirectCall:
             names[name] = f"args[{i}]"
         for k in kwargs:
             names[k] = f"kwargs[{k!r}]"
-        body = []
+        body: list[str] = []
         symbols: dict[sympy.Symbol, str] = {}  # a dynamic size: where the call's first reads it
+        spelled: dict[tuple, str] = {}  # a place: the variable the call reads it into
+        stored = {(p, a) for p, a in self.stores}
         for n, (name, value) in enumerate(named.items()):
-            var = f"a{n}"
+            var = spelled[(name, ())] = f"a{n}"
             body.append(f"{var} = {names[name]}")
             if isinstance(value, torch.Tensor):
-                if type(value) is not torch.Tensor:
-                    return f"argument {name!r} is a {type(value).__name__}, not a plain tensor"
-                if not value.is_contiguous():
-                    return f"argument {name!r} is not contiguous"
-                env[f"D{n}"], env[f"V{n}"] = value.dtype, value.device
-                body.append(f"if type({var}) is not Tensor or {var}.dtype is not D{n} or {var}.device != V{n} "
-                            f"or {var}.requires_grad is not {value.requires_grad} or {var}.dim() != {value.dim()} "
-                            f"or not {var}.is_contiguous(): return MISS")
-                # Dynamo's guards on sizes: the trace's fixed sizes, and one value per dynamic size.
-                traced = self.dims.get(name) or tuple(self.sizes.get((name, d), sympy.Integer(size))
-                                                      for d, size in enumerate(value.shape))
-                fixed = [(d, int(e)) for d, e in enumerate(traced) if e.is_Integer]
-                if fixed:
-                    env[f"S{n}"] = operator.itemgetter(*(d for d, _ in fixed))
-                    want = tuple(v for _, v in fixed) if len(fixed) > 1 else fixed[0][1]
-                    body.append(f"if S{n}({var}.shape) != {want!r}: return MISS")
-                for d, e in enumerate(traced):
-                    if e.is_Integer:
-                        continue
-                    if not e.is_Symbol:
-                        return f"dim {d} of argument {name!r} is sized {e}, an expression of dynamic sizes"
-                    if e in symbols:
-                        body.append(f"if {var}.shape[{d}] != {symbols[e]}: return MISS")
-                    else:
-                        symbols[e] = f"{var}.shape[{d}]"
+                why = self._check_tensor(body, env, var, (name, ()), value, f"argument {name!r}", symbols)
+                if why:
+                    return why
             elif type(value) in _CONSTANTS:
                 env[f"C{n}"] = value
                 body.append(f"if type({var}) is not {type(value).__name__} or {var} != C{n}: return MISS")
+            elif any(p[0] == name for p in places):
+                self._check_object(body, env, var, (name, ()), value, stored)
             else:
                 return f"argument {name!r} is a {type(value).__name__}: only tensors and constants are checked"
+        reads: list[str] = []  # inside arguments: read in a try (a missing attribute or item is a miss)
+        for place in dict.fromkeys(p for p in places if p[1]):
+            name, steps = place
+            value = named[name]
+            for k, (kind, key) in enumerate(steps):
+                inner = (name, steps[:k + 1])
+                value = getattr(value, key) if kind == "attr" else value[key]
+                if inner in spelled:
+                    continue
+                var = spelled[inner] = f"r{len(spelled)}"
+                base = spelled[(name, steps[:k])]
+                reads.append(f"{var} = {base}.{key}" if kind == "attr" else f"{var} = {base}[{key!r}]")
+                if not isinstance(value, torch.Tensor):
+                    self._check_object(reads, env, var, inner, value, stored)
+                elif k + 1 < len(steps):
+                    return f"the graph reads inside a tensor ({_spell_place(place)})"
+                else:
+                    why = self._check_tensor(reads, env, var, inner, self.traced.get(inner, value),
+                                             _spell_place(inner), symbols)
+                    if why:
+                        return why
+        if reads:
+            body += ["try:", *("    " + line for line in reads),
+                     "except (AttributeError, IndexError, KeyError, TypeError):", "    return MISS"]
         for guard in _interior_guards(self.runnable):
             try:
                 body.append(f"if not {_spell_bool(guard, symbols)}: return MISS")
             except (NotImplementedError, KeyError):
                 return f"the trace guards its sizes with {guard}, which a direct call cannot check"
         call_args = []
-        order = {name: f"a{n}" for n, name in enumerate(named)}
         for k, slot in enumerate(self.slots):
             if slot[0] == "param":
                 env[f"P{k}"] = slot[1]
                 call_args.append(f"P{k}")
             elif slot[0] == "arg":
-                call_args.append(order[slot[1]])
+                call_args.append(spelled[slot[1]])
             else:
-                call_args.append(f"{order[slot[1]]}.size({slot[2]})")
+                call_args.append(f"{spelled[slot[1]]}.size({slot[2]})")
         body.append(f"out = run({', '.join(call_args)})")
+        for place, attr in self.stores:  # what Dynamo's frame does after the graph: set the computed tensors
+            obj = _follow(named, place)
+            idx = next((i for i, o in enumerate(outputs) if o is getattr(obj, attr, None)), None)
+            if idx is None:
+                return f"the forward sets {_spell_place(place)}.{attr} to a tensor the compiled program did not return"
+            body.append(f"{spelled[place]}.{attr} = out[{idx}]")
         if len(where) == 1 and where[0][0] == "out" and spec.is_leaf():
             body.append(f"return out[{where[0][1]}]")
         else:
@@ -167,6 +192,8 @@ class DirectCall:
             for kind, v in where:
                 if kind == "out":
                     parts.append(f"out[{v}]")
+                elif kind == "obj":
+                    parts.append(spelled[(v, ())])
                 else:
                     env[f"K{len(parts)}"] = v
                     parts.append(f"K{len(parts)}")
@@ -176,6 +203,56 @@ class DirectCall:
         self.fn = env["direct"]
         self.source = src
         return None
+
+    def _check_tensor(self, body: list[str], env: dict, var: str, place: tuple, value: torch.Tensor, label: str,
+                      symbols: dict[sympy.Symbol, str]) -> str | None:
+        """Append the checks Dynamo's guards make of a tensor: type, dtype, device, grad, rank,
+        contiguity, its fixed sizes, and one value per dynamic size. Why not, if it cannot."""
+        if type(value) is not torch.Tensor:
+            return f"{label} is a {type(value).__name__}, not a plain tensor"
+        if not value.is_contiguous():
+            return f"{label} is not contiguous"
+        n = len(env)
+        env[f"D{n}"], env[f"V{n}"] = value.dtype, value.device
+        body.append(f"if type({var}) is not Tensor or {var}.dtype is not D{n} or {var}.device != V{n} "
+                    f"or {var}.requires_grad is not {value.requires_grad} or {var}.dim() != {value.dim()} "
+                    f"or not {var}.is_contiguous(): return MISS")
+        traced = self.dims.get(place) or tuple(self.sizes.get((place, d), sympy.Integer(size))
+                                               for d, size in enumerate(value.shape))
+        fixed = [(d, int(e)) for d, e in enumerate(traced) if e.is_Integer]
+        if fixed:
+            env[f"S{n}"] = operator.itemgetter(*(d for d, _ in fixed))
+            want = tuple(v for _, v in fixed) if len(fixed) > 1 else fixed[0][1]
+            body.append(f"if S{n}({var}.shape) != {want!r}: return MISS")
+        for d, e in enumerate(traced):
+            if e.is_Integer:
+                continue
+            if not e.is_Symbol:
+                return f"dim {d} of {label} is sized {e}, an expression of dynamic sizes"
+            if e in symbols:
+                body.append(f"if {var}.shape[{d}] != {symbols[e]}: return MISS")
+            else:
+                symbols[e] = f"{var}.shape[{d}]"
+        return None
+
+    @staticmethod
+    def _check_object(body: list[str], env: dict, var: str, place: tuple, value: Any, stored: set) -> None:
+        """Append checks of an object the call reads inside (a KV cache, its list of layers): its
+        type, a list's length, and its attributes that hold constants, as this call has them (the
+        ones the forward sets excepted), standing in for Dynamo's guards on what the model reads."""
+        n = len(env)
+        env[f"T{n}"] = type(value)
+        test = f"type({var}) is not T{n}"
+        if isinstance(value, (list, tuple)):
+            test += f" or len({var}) != {len(value)}"
+        else:
+            attrs = sorted(a for a, v in getattr(value, "__dict__", {}).items()
+                           if (place, a) not in stored and (type(v) in _CONSTANTS or isinstance(v, _STATE_TYPES)))
+            if attrs:
+                env[f"G{n}"] = operator.attrgetter(*attrs)
+                env[f"W{n}"] = operator.attrgetter(*attrs)(value)
+                test += f" or G{n}({var}) != W{n}"
+        body.append(f"if {test}: return MISS")
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         try:
@@ -309,35 +386,79 @@ def _global_state(module: Any) -> tuple:
             getattr(module, "training", None))
 
 
+def _follow(named: dict[str, Any], place: tuple) -> Any:
+    value = named[place[0]]
+    for kind, key in place[1]:
+        value = getattr(value, key) if kind == "attr" else value[key]
+    return value
+
+
+def _spell_place(place: tuple) -> str:
+    return place[0] + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in place[1])
+
+
 def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Callable[..., Any],
                       module: Any, positional: Sequence[str], var_names: Sequence[str | None],
-                      keywords: Any) -> DirectCall | str:
-    """The trace's direct call (to be armed by a call), or why there is none."""
+                      keywords: Any, side_effects: list[tuple[Any, str]] | str | None = None) -> DirectCall | str:
+    """The trace's direct call (to be armed by a call), or why there is none. ``side_effects``:
+    what the trace sets in Python state (``_compat.trace_side_effects``)."""
+    if isinstance(side_effects, str):
+        return side_effects
     slots: list[tuple] = []
-    dims: dict[str, tuple[sympy.Expr, ...]] = {}
-    sizes: dict[tuple[str, int], sympy.Expr] = {}
+    dims: dict[tuple, tuple[sympy.Expr, ...]] = {}
+    sizes: dict[tuple[tuple, int], sympy.Expr] = {}
+    traced: dict[tuple, torch.Tensor] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         return "the graph's inputs and Dynamo's example inputs differ in number"
+
+    def place_of(source: Any) -> tuple | None:
+        path = _compat.access_path(source)
+        name = path and _compat.local_name_of(path[0], positional, *var_names, keywords=keywords)
+        return (name, path[1]) if name not in (None, "self") else None
+
     for node, example in zip(placeholders, example_inputs):
         source = _compat.placeholder_source(node)
         size = _compat.size_source(source)
         read = size[0] if size is not None else source
-        name = _compat.local_name_of(read, positional, *var_names, keywords=keywords)
-        if size is not None:
-            if name is None or not _compat.is_whole_argument(read):
-                return (f"input {node.name} is a size of something other than an argument "
-                        f"({_compat.source_name(read)})")
-            slots.append(("size", name, size[1]))
-            sizes[(name, size[1])] = _compat.sym_expr(_compat.node_value(node))
-        elif _compat.is_whole_argument(source) and name not in (None, "self"):
-            slots.append(("arg", name))
+        place = place_of(read)
+        if size is not None and place is not None:
+            slots.append(("size", place, size[1]))
+            sizes[(place, size[1])] = _compat.sym_expr(_compat.node_value(node))
+        elif place is not None:
+            slots.append(("arg", place))
             value = _compat.node_value(node)
             if isinstance(value, torch.Tensor):
-                dims[name] = tuple(_compat.sym_expr(size) for size in value.shape)
-        elif name == "self" and (isinstance(example, torch.Tensor) or _compat.distributed_fields(example) is not None):
+                dims[place] = tuple(_compat.sym_expr(size) for size in value.shape)
+                if place[1] and isinstance(example, torch.Tensor):
+                    traced[place] = example
+        elif (size is None and _compat.local_name_of(source, positional, *var_names, keywords=keywords) == "self"
+              and (isinstance(example, torch.Tensor) or _compat.distributed_fields(example) is not None)):
             slots.append(("param", example))  # a weight, or a DeviceMesh a DTensor hook holds: by identity
         else:
-            return (f"input {node.name} comes from {_compat.source_name(source)}: neither an argument, its size, "
-                    "nor the module's tensor")
-    return DirectCall(slots, runnable, module, dims, sizes)
+            return (f"input {node.name} comes from {_compat.source_name(read)}: neither an argument, a tensor "
+                    "inside one, their sizes, nor the module's tensor")
+    stores = []
+    for source, attr in side_effects or ():
+        place = place_of(source)
+        if place is None:
+            return f"the forward sets {_compat.source_name(source)}.{attr}, outside its arguments"
+        stores.append((place, attr))
+    return DirectCall(slots, runnable, module, dims, sizes, stores, traced)
+
+
+def bound_module(model: Any) -> Any:
+    """The module whose state a call depends on: the model, or the module of a bound forward."""
+    return model.__self__ if inspect.ismethod(model) and isinstance(model.__self__, torch.nn.Module) else model
+
+
+def self_in_args(model: Any) -> bool:
+    """Whether the forward Dynamo traces is a wrapper ``(*args, **kwargs)`` (a decorator's) that
+    receives the module as ``args[0]``."""
+    if inspect.ismethod(model) and isinstance(model.__self__, torch.nn.Module):
+        fn = model.__func__  # a module's bound forward (compile_generate installs one)
+    else:
+        fn = getattr(type(model), "forward", None) if isinstance(model, torch.nn.Module) else None
+    code = getattr(fn, "__code__", None)
+    return (code is not None and getattr(fn, "__wrapped__", None) is not None and code.co_argcount == 0
+            and bool(code.co_flags & inspect.CO_VARARGS))

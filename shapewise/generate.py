@@ -11,6 +11,12 @@ traces; shapewise makes each one once:
   second dynamic size (``kv``), compiled over ``(1, max_length)``; with a static cache the
   cache has one size and decode is a single static variant.
 
+Decode steps call the compiled program directly, past Dynamo's frame (``direct_call``, on by
+default here; ``shapewise.direct``): the KV cache's tensors are read from the cache object as
+the trace read them, and the new tensors a dynamic cache's layers are set to are set as
+Dynamo's frame would. A trace that changes other Python state (prefill initialising a cache)
+keeps Dynamo's frame; ``fast.direct_info`` says which traces are on and why not.
+
 >>> fast = sw.compile_generate(model, prompt_sizes=[16, 32, 64, 128], prompt_ranges=[(129, 1024)],
 ...                            max_length=2048, backend="inductor")
 >>> model.generate(ids, max_new_tokens=64, do_sample=False)      # same tokens as eager
@@ -43,7 +49,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     another length is a ``DispatchMiss``, or whatever ``on_miss`` says). ``max_length``: the
     longest sequence (prompt + new tokens) decode must serve. ``static_cache``: make
     ``generate()`` use transformers' static cache (``generation_config.cache_implementation``);
-    decode is then one static variant. Other options go to ``shapewise.compile``.
+    decode is then one static variant. ``direct_call`` (default True): calls past Dynamo's frame
+    where a trace allows them. Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
     if clash:
@@ -77,6 +84,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         model.generation_config.cache_implementation = "static"
     # With a static cache on a GPU, generate() would wrap the forward in torch.compile itself.
     model.generation_config.disable_compile = True
+    options.setdefault("direct_call", True)
     fast = ShapewiseModule(model.forward, sizes=sizes, ranges=ranges, dynamic_dims=dims,
                            splitting_ops=splitting_ops, **options)
     model.forward = fast

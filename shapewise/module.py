@@ -16,7 +16,7 @@ import torch
 from shapewise import _compat
 from shapewise.backend import _PIPELINE_KEYS, DEFAULT_DIM_NAME, _op_list, build_pipeline, shapewise_backend
 from shapewise.concretize import check_sizes, make_bindings, refusal
-from shapewise.direct import MISS, DirectCalls, build_direct_call
+from shapewise.direct import MISS, DirectCalls, bound_module, build_direct_call, self_in_args
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
@@ -115,7 +115,7 @@ class ShapewiseModule:
         # The names of L['args'][i] in the frame Dynamo traces: a forward wrapped in a decorator
         # whose wrapper takes (*args, **kwargs) gets the module itself as args[0] (transformers'
         # forward decorators), so a positional input_ids is args[1].
-        self._source_positional = (["self", *self._positional] if _self_in_args(model) else self._positional)
+        self._source_positional = (["self", *self._positional] if self_in_args(model) else self._positional)
         self._dims: dict[str, dict[int, str]] | None = None
         if dynamic_dims is not None:
             self._dims = {}
@@ -291,8 +291,9 @@ class ShapewiseModule:
                if self._on_miss != "error" else
                f"compile={self._options.get('compile')!r} (direct calls need 'eager_all')"
                if self._watch is not None else None)
-        built = off or build_direct_call(gm, example_inputs, runnable, self.model, self._source_positional,
-                                         self._var_names, self._signature.parameters)
+        built = off or build_direct_call(gm, example_inputs, runnable, bound_module(self.model),
+                                         self._source_positional, self._var_names, self._signature.parameters,
+                                         _compat.trace_side_effects())
         return self._directs.add_trace(len(self.runnables) - 1, built, runnable)
 
     @property
@@ -467,15 +468,6 @@ class ShapewiseModule:
     def _trace_label(self, i: int) -> str:
         fixed = ", ".join(f"{k}={v}" for k, v in self.trace_fixed[i].items() if v is not None)
         return f"{i + 1}" + (f" ({fixed})" if fixed else "")
-
-
-def _self_in_args(model: Any) -> bool:
-    """Whether the forward Dynamo traces is a wrapper ``(*args, **kwargs)`` (a decorator's) that
-    receives the module as ``args[0]``."""
-    fn = getattr(type(model), "forward", None) if isinstance(model, torch.nn.Module) else None
-    code = getattr(fn, "__code__", None)
-    return (code is not None and getattr(fn, "__wrapped__", None) is not None and code.co_argcount == 0
-            and bool(code.co_flags & inspect.CO_VARARGS))
 
 
 def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), splitting_ops: Sequence[Any] = (),

@@ -217,3 +217,119 @@ def test_a_trace_dynamo_refuses_leaves_no_phantom_direct_call():
         x = torch.randn(2, t, 4)
         assert_same(fast(x), f(x), f"t={t}")
     assert fast.traces == 2 and fast.direct_info == "trace 1: on; trace 2 (n=2): on"
+
+
+class _Layer:
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys, self.is_initialized = keys, True
+
+
+class _Cache:
+    """A KV cache as transformers' DynamicCache is built: layers whose tensors a step replaces."""
+
+    def __init__(self, keys: torch.Tensor, scale: int = 2) -> None:
+        self.layers, self.scale = [_Layer(keys)], scale
+
+
+class _Step(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: _Cache) -> tuple[torch.Tensor, _Cache]:
+        layer = cache.layers[0]
+        layer.keys = torch.cat([layer.keys, self.proj(x)])
+        return layer.keys.sum(0, keepdim=True) * cache.scale, cache
+
+
+def test_tensors_inside_an_object_argument_and_the_tensors_the_forward_sets_on_it():
+    torch.manual_seed(0)
+    model = _Step().eval()
+    fast = sw.compile(model, dynamic_dims={"cache": {0: "kv"}}, ranges=[{"kv": (1, 64)}], direct_call=True,
+                      backend="aot_eager", progress=False)
+    start = torch.randn(3, 8)
+    mine, ref = _Cache(start.clone()), _Cache(start.clone())
+    with torch.no_grad():
+        for step in range(6):
+            x = torch.randn(1, 8)
+            out, same = fast(x, mine)
+            expected, _ = model(x, ref)
+            assert same is mine
+            assert_same(out, expected, f"step {step}")
+            assert_same(mine.layers[0].keys, ref.layers[0].keys, f"the cache after step {step}")
+        # Step 1 traced (the cache's length dynamic) and armed; steps 2-6 went past the frame.
+        assert fast.direct_info == "on"
+        assert fast.direct_calls == 5
+        # A constant the model read, changed: Dynamo's guards decide (a new trace), not the direct call.
+        mine.scale = ref.scale = 3
+        x = torch.randn(1, 8)
+        assert not _served_directly(fast, lambda: assert_same(fast(x, mine)[0], model(x, ref)[0], "scale 3"))
+        # A cache with more layers than the trace's: Dynamo's path too.
+        mine.layers.append(_Layer(torch.randn(2, 8)))
+        ref.layers.append(_Layer(mine.layers[1].keys.clone()))
+        assert not _served_directly(fast, lambda: assert_same(fast(x, mine)[0], model(x, ref)[0], "two layers"))
+
+
+def test_a_forward_that_changes_other_python_state_keeps_dynamos_frame():
+    class Logs(nn.Module):
+        def forward(self, x: torch.Tensor, log: list) -> torch.Tensor:
+            log.append(x.shape[0])
+            return x * 2
+
+    class Counts(nn.Module):
+        def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+            cache.scale = cache.scale + 1
+            return x * cache.scale
+
+    fast = sw.compile(Logs(), dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    for _ in range(3):
+        log: list[int] = []
+        assert_same(fast(torch.ones(2, 3), log), torch.full((2, 3), 2.0), "list")
+        assert log == [2]
+    assert fast.direct_info == "off: the forward changes L['log'] in place (a list, dict or cell: Dynamo replays " \
+                               "it after the graph)"
+    cache = _Cache(torch.zeros(1, 8), scale=1)
+    fast = sw.compile(Counts(), dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    for _ in range(3):
+        fast(torch.ones(2, 3), cache)
+    assert cache.scale == 4
+    assert fast.direct_calls == 0
+    # Each call traces again (Dynamo guards the int it read); every trace says why it stays off.
+    infos = fast.direct_info.split("; ")
+    assert len(infos) == fast.traces == 3
+    assert all(i.endswith("off: the forward sets L['cache'].scale (Dynamo replays it after the graph, a direct "
+                          "call would not)") for i in infos), infos
+
+
+def test_a_dict_set_back_as_it_was_is_no_change_but_a_key_taken_out_is():
+    # transformers (>= 5.2x) swaps a tensor-parallel linear's DTensor weights for local tensors
+    # during its forward and puts them back: Dynamo counts the dict as changed; it is not.
+    class Swaps(nn.Module):
+        def forward(self, x: torch.Tensor, d: dict) -> torch.Tensor:
+            old = d["w"]
+            d["w"] = old * 2
+            y = x @ d["w"]
+            d["w"] = old
+            return y
+
+    class Pops(nn.Module):
+        def forward(self, x: torch.Tensor, d: dict) -> torch.Tensor:
+            return x @ d.pop("w")
+
+    w = torch.randn(3, 3)
+    fast = sw.compile(Swaps(), dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    d = {"w": w}
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        assert_same(fast(x, d), x @ (w * 2), "swapped")
+        assert d["w"] is w
+    assert fast.direct_info == "on" and fast.direct_calls == 2
+    fast = sw.compile(Pops(), dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    d = {"w": w}
+    assert_same(fast(x, d), x @ w, "popped")
+    assert d == {}
+    assert fast.direct_info.startswith("off: the forward changes L['d'] in place"), fast.direct_info

@@ -11,10 +11,11 @@ import torch
 import torch.fx
 
 __all__ = [
-    "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
+    "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
     "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
     "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world",
-    "scalars_passed_as_tensors", "size_source", "source_name", "storage_key", "unmark_dynamic",
+    "scalars_passed_as_tensors", "size_source", "source_name", "storage_key", "trace_side_effects",
+    "unmark_dynamic",
 ]
 
 
@@ -47,6 +48,92 @@ def is_whole_argument(source) -> bool:
         base = source.base
         return isinstance(base, LocalSource) and base.local_name in ("args", "kwargs")
     return isinstance(source, LocalSource)
+
+
+def access_path(source) -> tuple[Any, tuple[tuple[str, Any], ...]] | None:
+    """``(the argument's source, steps)`` for a source that reads inside one argument through
+    attributes and items (``L['kwargs']['cache'].layers[0].keys`` -> the ``cache`` argument,
+    ``(("attr", "layers"), ("item", 0), ("attr", "keys"))``); steps are empty for the argument
+    itself. None for any other source (a global, a type, a slice)."""
+    from torch._dynamo.source import AttrSource, DictGetItemSource, GetItemSource
+
+    steps = []
+    while not is_whole_argument(source):
+        if isinstance(source, AttrSource) and isinstance(source.member, str) and source.member.isidentifier():
+            steps.append(("attr", source.member))
+        elif (isinstance(source, (GetItemSource, DictGetItemSource)) and type(source.index) in (int, str)
+              and not getattr(source, "index_is_slice", False)):
+            steps.append(("item", source.index))
+        else:
+            return None
+        source = source.base
+    return source, tuple(reversed(steps))
+
+
+def trace_side_effects() -> list[tuple[Any, str]] | str | None:
+    """What the trace Dynamo is compiling now changes in Python state that existed before the
+    call, which its frame replays after the graph: ``[(object's source, attribute), ...]`` for
+    attributes it sets to a tensor (a KV cache's ``layer.keys = torch.cat(...)``), or why the
+    changes are of another kind (a list appended to, an attribute set to a new value, a global).
+    An attribute set back to the value it had (a context variable set and reset) is no change.
+    None where this torch does not say (called outside a trace, or its internals moved)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
+
+        side_effects = InstructionTranslator.current_tx().output.side_effects
+        modified = side_effects._get_modified_vars()
+        stores = side_effects.store_attr_mutations
+    except Exception:  # noqa: BLE001 - private internals: no answer rather than a failed compile
+        return None
+    missing = object()
+    tensor_stores = []
+    for var in modified:
+        if isinstance(var.mutation_type, (AttributeMutationNew, ValueMutationNew)):
+            continue  # an object the call creates: not state that outlives the call unless stored somewhere
+        where = _safe_name(var.source) if var.source is not None else type(var).__name__
+        if var not in stores:
+            if _dict_as_it_was(var, InstructionTranslator.current_tx()):
+                continue  # its items set back (transformers swaps DTensor weights for local ones in a forward)
+            return f"the forward changes {where} in place (a list, dict or cell: Dynamo replays it after the graph)"
+        obj = getattr(var, "value", missing)
+        for attr, value in stores[var].items():
+            if type(value).__name__ == "TensorVariable":
+                tensor_stores.append((var.source, attr))
+            elif (value.is_python_constant() and obj is not missing
+                  and _same_constant(getattr(obj, attr, missing), value.as_python_constant())):
+                continue  # set back to the value it had
+            else:
+                return f"the forward sets {where}.{attr} (Dynamo replays it after the graph, a direct call would not)"
+    return tensor_stores
+
+
+def _dict_as_it_was(var: Any, tx: Any) -> bool:
+    """Whether a dict the trace changed ends as it began: the same keys, each holding the object
+    the dict held at that key before the call (so replaying it is a no-op). Cannot tell: False."""
+    items = getattr(var, "items", None)
+    if not isinstance(items, dict) or var.source is None:
+        return False
+    root = tx.output.root_tx
+    scope = ({**root.f_globals, "G": root.f_globals}, {"L": root.f_locals}, {})  # sources spell L[...], G[...]
+    try:
+        before = var.source.get_value(*scope)
+        after = {key.vt.as_python_constant(): value for key, value in items.items()}
+        return (isinstance(before, dict) and list(before) == list(after)
+                and all(v.source is not None and v.source.get_value(*scope) is before[k] for k, v in after.items()))
+    except Exception:  # noqa: BLE001 - a key or a value it cannot spell, an older torch
+        return False
+
+
+def _safe_name(source: Any) -> str:
+    try:
+        return source_name(source)
+    except NotImplementedError:  # a temporary of the trace: no name
+        return type(source).__name__
+
+
+def _same_constant(before: Any, after: Any) -> bool:
+    return type(before) is type(after) and before == after
 
 
 def size_source(source):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import shapewise as sw
+from tests.helpers import assert_same
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,18 +20,29 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
+@pytest.mark.parametrize("direct_call", [True, False])
 @pytest.mark.parametrize("static_cache", [False, True])
-def test_greedy_generate_equals_eager(static_cache):
+def test_greedy_generate_equals_eager(static_cache, direct_call):
     model = _llama()
     extra = {"cache_implementation": "static"} if static_cache else {}
-    prompts = [torch.randint(0, 128, (1, t), generator=torch.Generator().manual_seed(t)) for t in (12, 7)]
-    expected = [model.generate(p, max_new_tokens=8, do_sample=False, **extra) for p in prompts]
+    prompts = [torch.randint(0, 128, (1, t), generator=torch.Generator().manual_seed(t)) for t in (12, 7, 12)]
+    run = {"max_new_tokens": 8, "do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    expected = [model.generate(p, **run, **extra) for p in prompts]
     fast = sw.compile_generate(model, prompt_sizes=[12], prompt_ranges=[(2, 11)], max_length=64,
-                               static_cache=static_cache, backend="aot_eager")
+                               static_cache=static_cache, backend="aot_eager", direct_call=direct_call)
     assert model.forward is fast
     for p, e in zip(prompts, expected):
-        assert torch.equal(model.generate(p, max_new_tokens=8, do_sample=False), e)
+        got = model.generate(p, **run)
+        assert torch.equal(got.sequences, e.sequences)
+        assert_same(got.logits, e.logits, "logits per step")  # the tokens alone can agree with a stale cache
     assert fast.traces == 2  # prefill, and decode (the model branches on q_len > 1)
+    if direct_call:
+        # Prefill initialises the cache's layers (Python attributes Dynamo's frame sets): its calls
+        # keep the frame. Decode's go past it, from the first call after the arming one: 3 x 7 steps, 1 armed.
+        info = fast.direct_info
+        assert info.startswith("trace 1: off: the forward sets L['kwargs']['cache'].layers[0]."), info
+        assert info.endswith("trace 2 (seq=1): on"), info
+        assert fast.direct_calls == 3 * 7 - 1
     rows = fast.report()
     keys = {(r["trace"], r["key"]) for r in rows}
     decode = "{seq=1}" if static_cache else "{kv=1..64, seq=1}"
