@@ -333,3 +333,18 @@ def test_a_dict_set_back_as_it_was_is_no_change_but_a_key_taken_out_is():
     assert_same(fast(x, d), x @ w, "popped")
     assert d == {}
     assert fast.direct_info.startswith("off: the forward changes L['d'] in place"), fast.direct_info
+
+
+def test_a_forward_that_pops_from_its_own_kwargs_changes_nothing_outside():
+    # transformers 5.17's forward decorators pop from the **kwargs they take: a dict Python builds
+    # for each call, so Dynamo's replay of it changes nothing the caller holds.
+    class Pops(nn.Module):
+        def forward(self, x: torch.Tensor, **kwargs: int) -> torch.Tensor:
+            return x * kwargs.pop("scale") + len(kwargs)
+
+    fast = sw.compile(Pops(), dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    x = torch.randn(2, 3)
+    for _ in range(3):
+        assert_same(fast(x, scale=2), x * 2, "popped from its kwargs")
+    assert fast.direct_info == "on" and fast.direct_calls == 2

@@ -3,7 +3,9 @@
 #   PART=1: the tests of the parts touched (direct calls, generate, DTensor weights, CUDA graphs;
 #           all of tests/models/test_generate.py and tests/test_direct.py, CPU tests included:
 #           the device has its own transformers), then bench_generate with plain weights.
-#   PART=2: bench_generate with DTensor weights (world size 1), then bench_dtensor (world 1).
+#   PART=2: the generate tests again (CPU and GPU), bench_generate with plain weights, the two
+#           shapewise contenders interleaved twice (one process: a contender's place in the order
+#           can cost it), with DTensor weights (world size 1), then bench_dtensor (world 1).
 # Run from the repository root on the device machine: PART=1 bash benchmarks/device/session_generate.sh
 set -u
 export PYTHONPATH=.
@@ -19,7 +21,11 @@ if [ "${PART:-1}" = 1 ]; then
     | tail -15 | tee -a "$OUT/gpu_tests.txt"
   timeout 280 python3 benchmarks/bench_generate.py --contenders "$CONTENDERS" --out "$OUT/gen" 2>&1 | tail -25
 else
-  timeout 300 python3 benchmarks/bench_generate.py --dtensor --contenders "$CONTENDERS" --out "$OUT/gen_dtensor" 2>&1 \
-    | tail -25
-  timeout 280 python3 benchmarks/bench_dtensor.py --out "$OUT/dtensor_h200" 2>&1 | tail -25
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/models/test_generate.py 2>&1 | tail -4 \
+    | tee "$OUT/gpu_tests.txt"
+  timeout 150 python3 benchmarks/bench_generate.py --contenders shapewise_frame,shapewise,shapewise_frame,shapewise \
+    --out "$OUT/gen_order" 2>&1 | tail -12
+  timeout 150 python3 benchmarks/bench_generate.py --dtensor --contenders shapewise_frame,shapewise,hf_recipe \
+    --out "$OUT/gen_dtensor" 2>&1 | tail -12
+  timeout 200 python3 benchmarks/bench_dtensor.py --out "$OUT/dtensor_h200" 2>&1 | tail -25
 fi

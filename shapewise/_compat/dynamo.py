@@ -88,9 +88,12 @@ def trace_side_effects() -> list[tuple[Any, str]] | str | None:
         return None
     missing = object()
     tensor_stores = []
+    own = _own_kwargs(InstructionTranslator.current_tx())
     for var in modified:
         if isinstance(var.mutation_type, (AttributeMutationNew, ValueMutationNew)):
             continue  # an object the call creates: not state that outlives the call unless stored somewhere
+        if own is not None and type(var.source).__name__ == "LocalSource" and var.source.local_name == own:
+            continue  # the frame's own **kwargs: a dict Python builds afresh for each call
         where = _safe_name(var.source) if var.source is not None else type(var).__name__
         if var not in stores:
             if _dict_as_it_was(var, InstructionTranslator.current_tx()):
@@ -123,6 +126,21 @@ def _dict_as_it_was(var: Any, tx: Any) -> bool:
                 and all(v.source is not None and v.source.get_value(*scope) is before[k] for k, v in after.items()))
     except Exception:  # noqa: BLE001 - a key or a value it cannot spell, an older torch
         return False
+
+
+def _own_kwargs(tx: Any) -> str | None:
+    """The name of the traced frame's ``**kwargs`` dict (transformers' forward decorators take
+    one and pop from it), else None."""
+    import inspect
+
+    try:
+        code = tx.output.root_tx.f_code
+    except AttributeError:
+        return None
+    if not code.co_flags & inspect.CO_VARKEYWORDS:
+        return None
+    at = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
+    return code.co_varnames[at]
 
 
 def _safe_name(source: Any) -> str:
