@@ -8,9 +8,11 @@ than a piecewise CUDA-graph replay of all the layers' kernels. vLLM calls its co
 it; so does this, opt-in, under rules that keep answers right:
 
 - The call it builds is generated once per trace: the graph's inputs are the call's tensors
-  (each read as the trace read it, ``L['x']``, or as one of its sizes, ``L['x'].size()[0]``)
-  and the model's parameters and buffers, held from the trace (a module attribute *replaced*
-  by another tensor is not seen: the same rule as a captured CUDA graph's).
+  (each read as the trace read it: ``L['x']``, one of its sizes ``L['x'].size()[0]``, or a
+  tensor inside an object argument, ``L['cache'].layers[0].keys``, fetched along the same
+  attributes and items each call) and the model's parameters and buffers, held from the trace
+  (a module attribute *replaced* by another tensor is not seen: the same rule as a captured
+  CUDA graph's).
 - Its own checks, per call, stand in for Dynamo's guards that can change between calls: the
   same number of arguments and keywords; each tensor argument of the same type, dtype, device,
   number of dims, ``requires_grad`` and contiguous (a non-contiguous tensor is not taken); the
@@ -31,8 +33,15 @@ it; so does this, opt-in, under rules that keep answers right:
   return, such as an input returned as is; an object that pytree does not take apart) leaves
   direct calls off, with the reason in ``direct_info``.
 
-What it cannot see: Python side effects of the forward that Dynamo replays (an attribute set, a
-list appended to) are skipped. Only use it for forwards without them (vLLM's rule too).
+- Objects on the way to a tensor inside an argument (a KV cache, its list of layers, a layer)
+  are checked for their type, a list's length, and their attributes that hold constants, as
+  the arming call had them (Dynamo guards what the model reads of them; this checks a superset).
+- Python side effects, from Dynamo's own record of the trace (``_compat.trace_side_effects``):
+  a tensor the forward sets on an object it was given (a dynamic KV cache's
+  ``layer.keys = torch.cat(...)``) is set by the direct call too, from the program's outputs;
+  any other change (an attribute set to a new value, a list appended to, a global) leaves the
+  trace's direct call off. A change that ends as it began (a context variable set and reset, a
+  dict whose items are put back, the frame's own ``**kwargs``) is none.
 """
 
 from __future__ import annotations
