@@ -33,19 +33,21 @@ def test_greedy_generate_equals_eager(static_cache, direct_call):
     fast = sw.compile_generate(model, prompt_sizes=[12], prompt_ranges=[(2, 11)], max_length=64,
                                static_cache=static_cache, backend="aot_eager", direct_call=direct_call)
     assert model.forward is fast
+    decode_steps = 0
     for p, e in zip(prompts, expected):
         got = model.generate(p, **run)
         assert torch.equal(got.sequences, e.sequences)
         assert_same(got.logits, e.logits, "logits per step")  # the tokens alone can agree with a stale cache
+        decode_steps += got.sequences.shape[1] - p.shape[1] - 1
     assert fast.traces == 2  # prefill, and decode (the model branches on q_len > 1)
     if direct_call:
         # Prefill initialises the cache's layers (Python attributes Dynamo's frame sets): its calls
-        # keep the frame. Decode's go past it, from the first call after the arming one: 3 x 7 steps, 1 armed.
+        # keep the frame. Decode's go past it, all but the one that armed it.
         info = fast.direct_info  # transformers >= 5.2x names the cache argument "cache", before "past_key_values"
         assert re.match(r"trace 1: off: the forward sets L\['kwargs'\]\['(cache|past_key_values)'\]\.layers\[0\]\.",
                         info), info
         assert info.endswith("trace 2 (seq=1): on"), info
-        assert fast.direct_calls == 3 * 7 - 1
+        assert fast.direct_calls == decode_steps - 1 and decode_steps > 10
     rows = fast.report()
     keys = {(r["trace"], r["key"]) for r in rows}
     decode = "{seq=1}" if static_cache else "{kv=1..64, seq=1}"
@@ -71,7 +73,10 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
     expected = model.generate(prompt, max_new_tokens=16, do_sample=False, cache_implementation="static")
     fast = sw.compile_generate(model, prompt_sizes=[12], max_length=64, static_cache=True, backend="inductor",
                                cudagraphs=cudagraphs)
+    decode_steps = 0
     for _ in range(2):  # the second generate() replays the captured graphs
-        assert torch.equal(model.generate(prompt, max_new_tokens=16, do_sample=False), expected)
+        out = model.generate(prompt, max_new_tokens=16, do_sample=False)
+        assert torch.equal(out, expected)
+        decode_steps += out.shape[1] - prompt.shape[1] - 1  # random weights may reach EOS early
     assert fast.traces == 2
-    assert fast.direct_calls == 2 * 15 - 1  # decode steps past Dynamo's frame, into the replays
+    assert fast.direct_calls == decode_steps - 1  # past Dynamo's frame into the replays, but the arming one
