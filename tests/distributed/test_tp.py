@@ -107,6 +107,11 @@ def test_transformers_tp_plan_dtensor_weights(tmp_path):
         # that take a size too: refusing ints sent those back through them, +30% on the H200).
         assert len(result["flattened"]) >= 6 and all(result["flattened"]), result["flattened"]
         assert "stride=(64, 1) DTensor" in result["shown"] and "DeviceMesh(" in result["shown"], result["shown"]
+        # Serving with generate(): the unsharded model's tokens, decode past Dynamo's DTensor guards
+        # (7 decode steps, the first arms the direct call).
+        gen = result["generate"]
+        assert gen["same_tokens"] and gen["max_rel_error"] < 1e-5, (r, gen)
+        assert gen["direct_calls"] == 6 and gen["direct_info"].endswith("trace 2 (seq=1): on"), (r, gen)
     artifacts = [{(row["trace"], row["piece"], row["key"]): row["artifact"] for row in result["rows"]}
                  for result in ranks]
     assert artifacts[0].keys() == artifacts[1].keys()
@@ -131,3 +136,5 @@ def test_transformers_dtensor_weights_on_gpus(tmp_path, world):
         assert result["traces"] == 2 and result["max_rel_error"] < 2e-2, (r, result["max_rel_error"])
         assert result["train_rel_error"] < 2e-2, (r, result["train_rel_error"])
         assert result["direct_info"] == "trace 1 (n=1): on; trace 2: on", result["direct_info"]
+        gen = result["generate"]  # bf16: the tokens can part where logits are near-tied
+        assert gen["max_rel_error"] < 2e-2 and gen["direct_calls"] == 6, (r, gen)

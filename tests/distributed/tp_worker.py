@@ -119,6 +119,7 @@ def run_hf(rank: int, args: argparse.Namespace, device: torch.device) -> None:
     train_error = max(abs(float(losses[0].detach() - losses[1].detach())) / abs(float(losses[1].detach())),
                       float((grads[0] - grads[1]).norm() / grads[1].norm()))
 
+    generated = serve(part, full, args, device)
     dtensors = sum(isinstance(p, DTensor) for p in part.parameters())
     # Per compiled variant with DTensor inputs: whether its calls build the compiled code's
     # arguments themselves (lean) or went back through AOTAutograd's wrappers.
@@ -130,8 +131,34 @@ def run_hf(rank: int, args: argparse.Namespace, device: torch.device) -> None:
                                                                "max_rel_error": worst, "dtensor_weights": dtensors,
                                                                "train_rel_error": train_error,
                                                                "shown": shown, "flattened": flattened,
-                                                               "direct_info": fast.direct_info}))
+                                                               "direct_info": fast.direct_info,
+                                                               "generate": generated}))
     dist.barrier()
+
+
+def serve(part: torch.nn.Module, full: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> dict:
+    """Serving the tensor-parallel model: greedy ``generate()`` through ``compile_generate``
+    (decode steps past Dynamo's frame, whose guards check every DTensor weight's spec), 8 new
+    tokens, against the unsharded model: the tokens, the worst relative error of a step's logits
+    (while the two contexts agree), and the calls that went past the frame."""
+    import shapewise as sw
+
+    part.eval(), full.eval()
+    for m in (part, full):  # random weights: no early end of sequence
+        m.generation_config.eos_token_id = m.generation_config.pad_token_id = None
+    fast = sw.compile_generate(part, prompt_sizes=[6], max_length=32, progress=False, cache=False,
+                               backend=args.backend if args.nccl else "aot_eager")
+    prompt = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(6)).to(device)
+    run = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        got, want = (m.generate(prompt, **run) for m in (part, full))
+    # A step's logits compare while both contexts are the same: up to the first token they part at.
+    parted = (got.sequences[0] != want.sequences[0]).nonzero()
+    steps = int(parted[0, 0]) - prompt.shape[1] + 1 if len(parted) else len(want.logits)
+    error = max(float((g.float() - w.float()).norm() / w.float().norm())
+                for g, w in list(zip(got.logits, want.logits))[:steps])
+    return {"same_tokens": bool(torch.equal(got.sequences, want.sequences)), "max_rel_error": error,
+            "direct_calls": fast.direct_calls, "direct_info": fast.direct_info}
 
 
 def parallelize_one(model: torch.nn.Module, device: torch.device) -> None:
