@@ -59,6 +59,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from shapewise import _compat
+from shapewise import direct_checks as checks
 from shapewise.dispatch.guards import python_expr
 from shapewise.errors import DispatchMiss
 
@@ -70,7 +71,6 @@ log = logging.getLogger("shapewise")
 MISS = object()
 
 _CONSTANTS = (type(None), bool, int, float, str)
-_STATE_TYPES = (torch.dtype, torch.device)
 
 
 class DirectCall:
@@ -83,13 +83,15 @@ class DirectCall:
     def __init__(self, slots: list[tuple], runnable: Callable[..., Any], module: Any,
                  dims: dict[tuple, tuple[sympy.Expr, ...]] | None = None,
                  sizes: dict[tuple[tuple, int], sympy.Expr] | None = None,
-                 stores: Sequence[tuple[tuple, str]] = (), traced: dict[tuple, torch.Tensor] | None = None) -> None:
+                 stores: Sequence[tuple] = (), traced: dict[tuple, tuple] | None = None) -> None:
         self.slots = slots  # per graph input: ("param", tensor or mesh) | ("arg", place) | ("size", place, dim)
         self.dims = dims or {}  # per tensor place the graph reads: its traced sizes (ints or symbols)
         self.sizes = sizes or {}  # per (place, dim) the graph reads a size of: that size's symbol
-        self.stores = list(stores)  # (an object's place, attribute) the forward sets to a tensor it computes
-        # Per tensor place inside an argument: the tensor the trace saw. The arming call's own may
-        # have been replaced by then (a KV cache's keys, set to the new tensor after the graph).
+        # What the forward sets: (the object's place, or None for one held by identity, attribute,
+        # new value (_compat.STORED_TENSOR: one of the program's outputs), value before, the object).
+        self.stores = list(stores)
+        # Per tensor place inside an argument: what the trace saw of it (tensor_meta, contiguity).
+        # The arming call's own tensor may have been replaced by then (a KV cache's keys).
         self.traced = traced or {}
         self.runnable = runnable
         self.module = module
@@ -103,7 +105,7 @@ class DirectCall:
         if len(args) > len(positional):
             return "positional arguments past the named ones (*args)"
         named.update(kwargs)
-        places = [s[1] for s in self.slots if s[0] != "param"] + [p for p, _ in self.stores]
+        places = [s[1] for s in self.slots if s[0] != "param"] + [st[0] for st in self.stores if st[0] is not None]
         for place in places:
             if place[0] not in named:
                 return f"the graph reads argument {place[0]!r}, which this call did not pass (a default)"
@@ -122,10 +124,11 @@ class DirectCall:
             else:
                 return f"the result holds a {type(leaf).__name__}, which is not a tensor or a constant"
         env = {"MISS": MISS, "Tensor": torch.Tensor, "run": self.runnable, "module": self.module, "spec": spec,
-               "unflatten": pytree.tree_unflatten, "_state": _global_state, "STATE": _global_state(self.module)}
-        checks = [f"if len(args) != {len(args)} or len(kwargs) != {len(kwargs)}"
-                  + "".join(f" or {k!r} not in kwargs" for k in kwargs) + ": return MISS",
-                  "if _state(module) != STATE: return MISS"]
+               "unflatten": pytree.tree_unflatten, "_state": _global_state, "STATE": _global_state(self.module),
+               "meta": checks.tensor_meta, "pattern": checks.pattern}
+        head = [f"if len(args) != {len(args)} or len(kwargs) != {len(kwargs)}"
+                + "".join(f" or {k!r} not in kwargs" for k in kwargs) + ": return MISS",
+                "if _state(module) != STATE: return MISS"]
         names = {}
         for i, name in enumerate(positional[:len(args)]):
             names[name] = f"args[{i}]"
@@ -134,25 +137,26 @@ class DirectCall:
         body: list[str] = []
         symbols: dict[sympy.Symbol, str] = {}  # a dynamic size: where the call's first reads it
         spelled: dict[tuple, str] = {}  # a place: the variable the call reads it into
-        stored = {(p, a) for p, a in self.stores}
         for n, (name, value) in enumerate(named.items()):
             var = spelled[(name, ())] = f"a{n}"
             body.append(f"{var} = {names[name]}")
             if isinstance(value, torch.Tensor):
-                why = self._check_tensor(body, env, var, (name, ()), value, f"argument {name!r}", symbols)
+                why = self._check_tensor(body, env, var, (name, ()), checks.seen(value), f"argument {name!r}", symbols)
                 if why:
                     return why
             elif type(value) in _CONSTANTS:
                 env[f"C{n}"] = value
                 body.append(f"if type({var}) is not {type(value).__name__} or {var} != C{n}: return MISS")
-            elif any(p[0] == name for p in places):
-                self._check_object(body, env, var, (name, ()), value, stored)
-            else:
+            elif not any(p[0] == name for p in places):
                 return f"argument {name!r} is a {type(value).__name__}: only tensors and constants are checked"
-        reads: list[str] = []  # inside arguments: read in a try (a missing attribute or item is a miss)
-        for place in dict.fromkeys(p for p in places if p[1]):
+        # Inside arguments: read and checked in a try (what fails to read or compare is a miss).
+        reads: list[str] = []
+        objects: dict[tuple, Any] = {}  # a place that holds an object the call reads inside: the object
+        for place in dict.fromkeys(places):
             name, steps = place
             value = named[name]
+            if not isinstance(value, torch.Tensor):
+                objects.setdefault((name, ()), value)
             for k, (kind, key) in enumerate(steps):
                 inner = (name, steps[:k + 1])
                 value = getattr(value, key) if kind == "attr" else value[key]
@@ -162,17 +166,38 @@ class DirectCall:
                 base = spelled[(name, steps[:k])]
                 reads.append(f"{var} = {base}.{key}" if kind == "attr" else f"{var} = {base}[{key!r}]")
                 if not isinstance(value, torch.Tensor):
-                    self._check_object(reads, env, var, inner, value, stored)
+                    objects[inner] = value
                 elif k + 1 < len(steps):
                     return f"the graph reads inside a tensor ({_spell_place(place)})"
                 else:
-                    why = self._check_tensor(reads, env, var, inner, self.traced.get(inner, value),
+                    why = self._check_tensor(reads, env, var, inner, self.traced.get(inner) or checks.seen(value),
                                              _spell_place(inner), symbols)
                     if why:
                         return why
+        stored = {(st[0], st[1]): st[3] for st in self.stores if st[0] is not None}
+        aliases = {id(_follow(named, p)): spelled[p] for p in spelled if p[1] and p not in stored
+                   and isinstance(_follow(named, p), torch.Tensor)}
+        for place, value in objects.items():
+            # Attributes the forward sets, as they were before the traced call (those the graph also
+            # reads are checked where they are read, dynamic sizes and all).
+            before = {a: v for (p, a), v in stored.items()
+                      if p == place and (p[0], (*p[1], ("attr", a))) not in spelled}
+            walked = {p[1][len(place[1])][1] for p in spelled
+                      if len(p[1]) > len(place[1]) and p[:1] == place[:1] and p[1][:len(place[1])] == place[1]}
+            checks.check_object(reads, env, spelled[place], value, before, walked, aliases)
+        # The objects, and the tensors, as distinct as the arming call's (Dynamo guards aliasing); a
+        # tensor the forward replaces has already been replaced in the arming call.
+        replaced = {(p[0], (*p[1], ("attr", a))) for p, a in stored}
+        tensors = {p: v for p in spelled if p not in replaced and isinstance(v := _follow(named, p), torch.Tensor)}
+        reads += checks.distinct(objects, spelled) + checks.distinct(tensors, spelled)
+        for k, (place, attr, _new, was, held) in enumerate(self.stores):
+            if place is None:  # an object the module or a global holds, taken by identity (as a weight is)
+                env[f"H{k}"] = held
+                reads.append(f"h{k} = H{k}")
+                checks.check_object(reads, env, f"h{k}", held, {attr: was}, set(), {})
         if reads:
             body += ["try:", *("    " + line for line in reads),
-                     "except (AttributeError, IndexError, KeyError, TypeError):", "    return MISS"]
+                     "except Exception:", "    return MISS"]
         for guard in _interior_guards(self.runnable):
             try:
                 body.append(f"if not {_spell_bool(guard, symbols)}: return MISS")
@@ -188,12 +213,17 @@ class DirectCall:
             else:
                 call_args.append(f"{spelled[slot[1]]}.size({slot[2]})")
         body.append(f"out = run({', '.join(call_args)})")
-        for place, attr in self.stores:  # what Dynamo's frame does after the graph: set the computed tensors
-            obj = _follow(named, place)
-            idx = next((i for i, o in enumerate(outputs) if o is getattr(obj, attr, None)), None)
-            if idx is None:
-                return f"the forward sets {_spell_place(place)}.{attr} to a tensor the compiled program did not return"
-            body.append(f"{spelled[place]}.{attr} = out[{idx}]")
+        for k, (place, attr, new, _was, _held) in enumerate(self.stores):  # what Dynamo's frame does after the graph
+            obj = spelled[place] if place is not None else f"h{k}"
+            if new is _compat.STORED_TENSOR:
+                got = getattr(_follow(named, place) if place is not None else _held, attr, None)
+                idx = next((i for i, o in enumerate(outputs) if o is got), None)
+                if idx is None:
+                    return f"the forward sets {attr} to a tensor the compiled program did not return"
+                body.append(f"{obj}.{attr} = out[{idx}]")
+            else:
+                env[f"N{k}"] = new
+                body.append(f"{obj}.{attr} = N{k}")
         if len(where) == 1 and where[0][0] == "out" and spec.is_leaf():
             body.append(f"return out[{where[0][1]}]")
         else:
@@ -204,30 +234,32 @@ class DirectCall:
                 elif kind == "obj":
                     parts.append(spelled[(v, ())])
                 else:
-                    env[f"K{len(parts)}"] = v
-                    parts.append(f"K{len(parts)}")
+                    env[f"Q{len(parts)}"] = v
+                    parts.append(f"Q{len(parts)}")
             body.append(f"return unflatten([{', '.join(parts)}], spec)")
-        src = "def direct(args, kwargs):\n" + "\n".join("    " + line for line in checks + body) + "\n"
+        src = "def direct(args, kwargs):\n" + "\n".join("    " + line for line in head + body) + "\n"
         exec(compile(src, "<shapewise direct call>", "exec"), env)  # noqa: S102 - generated from the trace
         self.fn = env["direct"]
         self.source = src
         return None
 
-    def _check_tensor(self, body: list[str], env: dict, var: str, place: tuple, value: torch.Tensor, label: str,
+    def _check_tensor(self, body: list[str], env: dict, var: str, place: tuple, seen: tuple, label: str,
                       symbols: dict[sympy.Symbol, str]) -> str | None:
         """Append the checks Dynamo's guards make of a tensor: type, dtype, device, grad, rank,
-        contiguity, its fixed sizes, and one value per dynamic size. Why not, if it cannot."""
-        if type(value) is not torch.Tensor:
-            return f"{label} is a {type(value).__name__}, not a plain tensor"
-        if not value.is_contiguous():
+        contiguity, its fixed sizes, and one value per dynamic size (``seen``: ``_seen`` of the
+        tensor the trace saw). Why not, if it cannot."""
+        (cls, dtype, device, shape, grad), contiguous = seen
+        if cls is not torch.Tensor:
+            return f"{label} is a {cls.__name__}, not a plain tensor"
+        if not contiguous:
             return f"{label} is not contiguous"
         n = len(env)
-        env[f"D{n}"], env[f"V{n}"] = value.dtype, value.device
+        env[f"D{n}"], env[f"V{n}"] = dtype, device
         body.append(f"if type({var}) is not Tensor or {var}.dtype is not D{n} or {var}.device != V{n} "
-                    f"or {var}.requires_grad is not {value.requires_grad} or {var}.dim() != {value.dim()} "
+                    f"or {var}.requires_grad is not {grad} or {var}.dim() != {len(shape)} "
                     f"or not {var}.is_contiguous(): return MISS")
         traced = self.dims.get(place) or tuple(self.sizes.get((place, d), sympy.Integer(size))
-                                               for d, size in enumerate(value.shape))
+                                               for d, size in enumerate(shape))
         fixed = [(d, int(e)) for d, e in enumerate(traced) if e.is_Integer]
         if fixed:
             env[f"S{n}"] = operator.itemgetter(*(d for d, _ in fixed))
@@ -243,25 +275,6 @@ class DirectCall:
             else:
                 symbols[e] = f"{var}.shape[{d}]"
         return None
-
-    @staticmethod
-    def _check_object(body: list[str], env: dict, var: str, place: tuple, value: Any, stored: set) -> None:
-        """Append checks of an object the call reads inside (a KV cache, its list of layers): its
-        type, a list's length, and its attributes that hold constants, as this call has them (the
-        ones the forward sets excepted), standing in for Dynamo's guards on what the model reads."""
-        n = len(env)
-        env[f"T{n}"] = type(value)
-        test = f"type({var}) is not T{n}"
-        if isinstance(value, (list, tuple)):
-            test += f" or len({var}) != {len(value)}"
-        else:
-            attrs = sorted(a for a, v in getattr(value, "__dict__", {}).items()
-                           if (place, a) not in stored and (type(v) in _CONSTANTS or isinstance(v, _STATE_TYPES)))
-            if attrs:
-                env[f"G{n}"] = operator.attrgetter(*attrs)
-                env[f"W{n}"] = operator.attrgetter(*attrs)(value)
-                test += f" or G{n}({var}) != W{n}"
-        body.append(f"if {test}: return MISS")
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         try:
@@ -416,7 +429,7 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
     slots: list[tuple] = []
     dims: dict[tuple, tuple[sympy.Expr, ...]] = {}
     sizes: dict[tuple[tuple, int], sympy.Expr] = {}
-    traced: dict[tuple, torch.Tensor] = {}
+    traced: dict[tuple, tuple] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         return "the graph's inputs and Dynamo's example inputs differ in number"
@@ -440,7 +453,7 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
             if isinstance(value, torch.Tensor):
                 dims[place] = tuple(_compat.sym_expr(size) for size in value.shape)
                 if place[1] and isinstance(example, torch.Tensor):
-                    traced[place] = example
+                    traced[place] = checks.seen(example)
         elif (size is None and _compat.local_name_of(source, positional, *var_names, keywords=keywords) == "self"
               and (isinstance(example, torch.Tensor) or _compat.distributed_fields(example) is not None)):
             slots.append(("param", example))  # a weight, or a DeviceMesh a DTensor hook holds: by identity
@@ -448,11 +461,12 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
             return (f"input {node.name} comes from {_compat.source_name(read)}: neither an argument, a tensor "
                     "inside one, their sizes, nor the module's tensor")
     stores = []
-    for source, attr in side_effects or ():
+    for source, attr, new, was, obj in side_effects or ():
         place = place_of(source)
-        if place is None:
-            return f"the forward sets {_compat.source_name(source)}.{attr}, outside its arguments"
-        stores.append((place, attr))
+        if place is None and new is _compat.STORED_TENSOR:
+            return f"the forward sets {_compat.source_name(source)}.{attr} to a tensor, outside its arguments"
+        was = checks.ABSENT if was is _compat.NOT_SET else checks.before_value(was)  # a tensor: its metadata
+        stores.append((place, attr, new, was, obj if place is None else None))
     return DirectCall(slots, runnable, module, dims, sizes, stores, traced)
 
 

@@ -276,11 +276,6 @@ def test_a_forward_that_changes_other_python_state_keeps_dynamos_frame():
             log.append(x.shape[0])
             return x * 2
 
-    class Counts(nn.Module):
-        def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
-            cache.scale = cache.scale + 1
-            return x * cache.scale
-
     fast = sw.compile(Logs(), dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
                       progress=False)
     for _ in range(3):
@@ -289,18 +284,43 @@ def test_a_forward_that_changes_other_python_state_keeps_dynamos_frame():
         assert log == [2]
     assert fast.direct_info == "off: the forward changes L['log'] in place (a list, dict or cell: Dynamo replays " \
                                "it after the graph)"
-    cache = _Cache(torch.zeros(1, 8), scale=1)
-    fast = sw.compile(Counts(), dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+
+    class Makes(nn.Module):
+        def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+            cache.made = _Layer(x)  # an object set on an argument: not a tensor, not a constant
+            return x * 2
+
+    cache = _Cache(torch.zeros(1, 8))
+    fast = sw.compile(Makes(), dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
                       progress=False)
-    for _ in range(3):
+    for _ in range(2):
         fast(torch.ones(2, 3), cache)
-    assert cache.scale == 4
     assert fast.direct_calls == 0
-    # Each call traces again (Dynamo guards the int it read); every trace says why it stays off.
-    infos = fast.direct_info.split("; ")
-    assert len(infos) == fast.traces == 3
-    assert all(i.endswith("off: the forward sets L['cache'].scale (Dynamo replays it after the graph, a direct "
-                          "call would not)") for i in infos), infos
+    assert fast.direct_info == "off: the forward sets L['cache'].made to a UserDefinedObjectVariable (Dynamo " \
+                               "replays it, a direct call would not)", fast.direct_info
+
+
+def test_constants_the_forward_sets_are_set_by_the_direct_call_and_checked_as_they_were_before():
+    class Counts(nn.Module):
+        def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+            cache.steps = cache.steps + 1  # read and set: each value is another trace for Dynamo
+            cache.seen = True  # set only: the direct call sets it too
+            return x * cache.steps
+
+    model = Counts()
+    fast = sw.compile(model, dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    x = torch.ones(2, 3)
+    mine, ref = _Cache(torch.zeros(1, 8)), _Cache(torch.zeros(1, 8))
+    for step in range(4):
+        for c in (mine, ref):
+            c.steps, c.seen = 1, False  # as before the traced call: served past Dynamo's frame after the first
+        assert_same(fast(x, mine), model(x, ref), f"call {step}")
+        assert (mine.steps, mine.seen) == (ref.steps, ref.seen) == (2, True)
+    assert fast.direct_info == "on" and fast.direct_calls == 3
+    mine.steps = ref.steps = 5  # not what the trace saw before its call: Dynamo's frame (a new trace)
+    assert not _served_directly(fast, lambda: assert_same(fast(x, mine), model(x, ref), "steps 5"))
+    assert mine.steps == ref.steps == 6
 
 
 def test_a_dict_set_back_as_it_was_is_no_change_but_a_key_taken_out_is():
@@ -348,3 +368,92 @@ def test_a_forward_that_pops_from_its_own_kwargs_changes_nothing_outside():
     for _ in range(3):
         assert_same(fast(x, scale=2), x * 2, "popped from its kwargs")
     assert fast.direct_info == "on" and fast.direct_calls == 2
+
+
+class _Cfg:
+    def __init__(self) -> None:
+        self.scale = 2
+
+
+class _Held:
+    scale = 2  # a class attribute, read through the instance
+
+    def __init__(self, keys: torch.Tensor, tag: str | None = None) -> None:
+        self.keys, self.cfg, self.mode = keys, _Cfg(), 2
+        if tag is not None:
+            self.tag = tag
+
+
+class _Reads(nn.Module):
+    def forward(self, x: torch.Tensor, held: _Held) -> torch.Tensor:
+        return (x + held.keys) * held.cfg.scale * held.scale * held.mode
+
+
+def _change_cfg(h: _Held) -> None:
+    h.cfg.scale = 10
+
+
+def _change_class(h: _Held) -> None:
+    _Held.scale = 10
+
+
+def _change_type(h: _Held) -> None:
+    h.mode = 2.0  # equal, but a float: the result's dtype changes
+
+
+def _drop_tag(h: _Held) -> None:
+    del h.tag  # an attribute the model never reads: a miss, not an AttributeError
+
+
+@pytest.mark.parametrize("change", [_change_cfg, _change_class, _change_type, _drop_tag])
+def test_what_an_object_argument_holds_is_checked_past_its_tensors(change):
+    # Found by review: the first checks saw only constants in an object's own __dict__.
+    model = _Reads()
+    fast = sw.compile(model, dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    x = torch.ones(2, 3, dtype=torch.int64)
+    held = _Held(torch.ones(2, 3, dtype=torch.int64), tag="first")
+    try:
+        for _ in range(2):
+            assert_same(fast(x, held), model(x, held), "as armed")
+        assert fast.direct_calls == 1
+        change(held)
+        assert not _served_directly(fast, lambda: assert_same(fast(x, held), model(x, held), change.__name__))
+    finally:
+        _Held.scale = 2
+
+
+def test_aliasing_is_checked_as_the_arming_call_had_it():
+    class Grows(nn.Module):
+        def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+            out = x
+            for layer in cache.layers:
+                layer.keys = torch.cat([layer.keys, x])
+                out = out + layer.keys.sum(0)
+            return out
+
+    class Adds(nn.Module):
+        def forward(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            a.add_(1)
+            return x + b * 2
+
+    model = Grows()
+    fast = sw.compile(model, dynamic_dims={"x": 0, "cache": {}}, sizes=[1], direct_call=True, backend="aot_eager",
+                      progress=False)
+    x = torch.ones(1, 3)
+    shared = _Cache(torch.ones(1, 3))
+    shared.layers.append(shared.layers[0])  # one layer object at two places
+    fast(x, shared)
+    mine, ref = (_Cache(torch.ones(1, 3)) for _ in range(2))
+    for c in (mine, ref):
+        c.layers.append(_Layer(torch.ones(1, 3)))
+    assert not _served_directly(fast, lambda: assert_same(fast(x, mine), model(x, ref), "two layers"))
+    assert_same(mine.layers[1].keys, ref.layers[1].keys, "the second layer grew")
+    model = Adds()
+    fast = sw.compile(model, dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    x = torch.zeros(2, 3)
+    for _ in range(2):
+        fast(x, torch.zeros(2, 3), torch.zeros(2, 3))
+    t, r = torch.zeros(2, 3), torch.zeros(2, 3)
+    assert not _served_directly(fast, lambda: assert_same(fast(x, t, t), model(x, r, r), "one tensor twice"))

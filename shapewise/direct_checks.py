@@ -1,0 +1,159 @@
+"""The checks a direct call (``shapewise.direct``) makes of what it reads inside an object
+argument, generated as Python source lines: they stand in for Dynamo's guards on the objects a
+model reads (a KV cache, its list of layers, a layer).
+
+Each object on the way to a tensor the graph reads is checked for its type; a list's or tuple's
+length; a dict's keys; and every attribute it holds (its ``__dict__`` and ``__slots__``), as the
+arming call found them: constants (numbers, strings, None, dtypes, devices, enums, tuples of
+them) by value and type, tensors by identity where the trace read the same tensor elsewhere (an
+alias) and else by type, dtype, device, shape and grad, anything else by identity. Attributes
+the forward sets are checked as they were *before* the traced call (the arming call has changed
+them by then): absent, a constant, or a tensor's metadata. Plain objects held off the path (a
+config) are checked the same way, two levels deep; class attributes that hold constants, by value.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from typing import Any
+
+import torch
+
+__all__ = ["ABSENT", "CONSTANT_TYPES", "before_value", "check_object", "distinct", "pattern", "seen", "tensor_meta"]
+
+#: An attribute an object did not have before the traced call.
+ABSENT = object()
+
+CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    """What a tensor's checks compare (the tensor itself is not held)."""
+    return (type(t), t.dtype, t.device, tuple(t.shape), t.requires_grad)
+
+
+def _is_constant(v: Any) -> bool:
+    if isinstance(v, (tuple, frozenset)):
+        return all(_is_constant(x) for x in v)
+    return type(v) in CONSTANT_TYPES or isinstance(v, enum.Enum)
+
+
+def pattern(seq: Any) -> tuple[int, ...]:
+    """Which items of a list are one object: each item's index of first appearance."""
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(id(x), i) for i, x in enumerate(seq))
+
+
+def _plain_object(v: Any) -> bool:
+    return (hasattr(v, "__dict__") and not isinstance(v, (type, torch.nn.Module, torch.Tensor))
+            and not callable(v) and type(v).__module__ not in ("builtins", "types"))
+
+
+def _class_constants(cls: type) -> list[str]:
+    names = set()
+    for klass in cls.__mro__:
+        if klass.__module__ == "builtins":
+            continue
+        names.update(a for a, v in vars(klass).items() if not a.startswith("__") and _is_constant(v))
+    return sorted(names)
+
+
+def _attributes(value: Any) -> dict[str, Any]:
+    out = dict(getattr(value, "__dict__", {}))
+    for cls in type(value).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                out[name] = getattr(value, name)
+    return out
+
+
+def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict[str, Any], walked: set[str],
+                 aliases: dict[int, str], depth: int = 0) -> None:
+    """Append the checks of one object the call reads inside.
+
+    ``before``: the attributes the forward sets, with their values before the traced call (or
+    ``ABSENT``); ``walked``: attributes that lead on to something the graph reads (checked
+    where they are read); ``aliases``: id of a tensor the graph reads -> the variable the call
+    reads it into."""
+    n = len(env)
+    env[f"XT{n}"] = type(value)
+    lines.append(f"if type({var}) is not XT{n}: return MISS")
+    if isinstance(value, (list, tuple)):  # its length, and which of its items are one object
+        env[f"XP{n}"] = pattern(value)
+        lines.append(f"if len({var}) != {len(value)} or pattern({var}) != XP{n}: return MISS")
+        return
+    if isinstance(value, dict):
+        env[f"XK{n}"] = list(value)
+        lines.append(f"if len({var}) != {len(value)} or list({var}) != XK{n}: return MISS")
+        return
+    constants, tensors, others = [], [], []
+    for name, v in sorted(_attributes(value).items()):
+        if name in before or name in walked:
+            continue
+        if _is_constant(v):
+            constants.append((name, v))
+        elif isinstance(v, torch.Tensor):
+            tensors.append((name, v))
+        else:
+            others.append((name, v))
+    if constants:
+        env[f"XG{n}"] = operator.attrgetter(*(a for a, _ in constants))
+        env[f"XW{n}"] = tuple(v for _, v in constants)
+        env[f"XY{n}"] = tuple(type(v) for _, v in constants)
+        got = f"XG{n}({var})" if len(constants) > 1 else f"(XG{n}({var}),)"
+        lines.append(f"v = {got}")
+        lines.append(f"if v != XW{n} or tuple(map(type, v)) != XY{n}: return MISS")
+    for k, (name, v) in enumerate(tensors):
+        if id(v) in aliases:  # the trace read this very tensor elsewhere: Dynamo guards the alias
+            lines.append(f"if {var}.{name} is not {aliases[id(v)]}: return MISS")
+        else:
+            env[f"XM{n}_{k}"] = tensor_meta(v)
+            lines.append(f"if meta({var}.{name}) != XM{n}_{k}: return MISS")
+    for k, (name, v) in enumerate(others):
+        env[f"XO{n}_{k}"] = v
+        lines.append(f"if {var}.{name} is not XO{n}_{k}: return MISS")
+        if depth < 2 and _plain_object(v):  # a config hanging off the cache: what it holds too
+            check_object(lines, env, f"{var}.{name}", v, {}, set(), aliases, depth + 1)
+    cls = [(a, getattr(type(value), a)) for a in _class_constants(type(value)) if a not in _attributes(value)]
+    if cls:  # class attributes read through the instance (a layer class's is_sliding)
+        env[f"XC{n}"] = operator.attrgetter(*(a for a, _ in cls))
+        env[f"XZ{n}"] = tuple(v for _, v in cls) if len(cls) > 1 else cls[0][1]
+        lines.append(f"if XC{n}(XT{n}) != XZ{n}: return MISS")
+    for k, (name, v) in enumerate(sorted(before.items(), key=lambda kv: kv[0])):
+        if v is ABSENT:
+            lines.append(f"if hasattr({var}, {name!r}): return MISS")
+        elif isinstance(v, tuple) and v and v[0] is _TENSOR:
+            env[f"XB{n}_{k}"] = v[1]
+            lines.append(f"if meta({var}.{name}) != XB{n}_{k}: return MISS")
+        else:
+            env[f"XB{n}_{k}"] = v
+            lines.append(f"if {var}.{name} != XB{n}_{k} or type({var}.{name}) is not type(XB{n}_{k}): return MISS")
+
+
+#: Marks a tensor's metadata among ``before`` values: ``(_TENSOR, tensor_meta(t))``.
+_TENSOR = object()
+
+
+def before_value(v: Any) -> Any:
+    """How ``check_object`` takes an attribute's value before the traced call (a tensor by its
+    metadata: the tensor is not held)."""
+    return (_TENSOR, tensor_meta(v)) if isinstance(v, torch.Tensor) else v
+
+
+def seen(t: torch.Tensor) -> tuple:
+    """What a tensor's checks need of the tensor the trace saw (not the tensor itself)."""
+    return tensor_meta(t), t.is_contiguous()
+
+
+def distinct(objects: dict[tuple, Any], spelled: dict[tuple, str]) -> list[str]:
+    """Checks that the objects the call reads inside are as distinct as the arming call's (the
+    same layer object at two places of a list is another trace for Dynamo)."""
+    groups: dict[int, list[str]] = {}
+    for place, value in objects.items():
+        groups.setdefault(id(value), []).append(spelled[place])
+    lines = [f"if {a} is not {b}: return MISS" for same in groups.values() for a, b in zip(same, same[1:])]
+    if len(groups) > 1:
+        firsts = ", ".join(f"id({same[0]})" for same in groups.values())
+        lines.append(f"if len({{{firsts}}}) != {len(groups)}: return MISS")
+    return lines
