@@ -34,14 +34,15 @@ it; so does this, opt-in, under rules that keep answers right:
   direct calls off, with the reason in ``direct_info``.
 
 - Objects on the way to a tensor inside an argument (a KV cache, its list of layers, a layer)
-  are checked for their type, a list's length, and their attributes that hold constants, as
-  the arming call had them (Dynamo guards what the model reads of them; this checks a superset).
+  are checked as Dynamo would guard them (``shapewise.direct_checks``): type, length, keys,
+  every attribute they hold, aliasing.
 - Python side effects, from Dynamo's own record of the trace (``_compat.trace_side_effects``):
   a tensor the forward sets on an object it was given (a dynamic KV cache's
-  ``layer.keys = torch.cat(...)``) is set by the direct call too, from the program's outputs;
-  any other change (an attribute set to a new value, a list appended to, a global) leaves the
-  trace's direct call off. A change that ends as it began (a context variable set and reset, a
-  dict whose items are put back, the frame's own ``**kwargs``) is none.
+  ``layer.keys = torch.cat(...)``) is set by the direct call too, from the program's outputs, and
+  so is a constant set anywhere; the attributes set are checked as they were before the traced
+  call. Any other change (an attribute set to a new object, a list appended to) leaves the
+  trace's direct call off. A change that ends as it began (a dict whose items are put back, the
+  frame's own ``**kwargs``) is none.
 """
 
 from __future__ import annotations
