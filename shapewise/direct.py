@@ -176,7 +176,9 @@ class DirectCall:
                     if why:
                         return why
         stored = {(st[0], st[1]): st[3] for st in self.stores if st[0] is not None}
-        aliases = {id(_follow(named, p)): spelled[p] for p in spelled if p[1] and p not in stored
+        # A tensor the forward replaces has already been replaced in the arming call.
+        replaced = {(p[0], (*p[1], ("attr", a))) for p, a in stored}
+        aliases = {id(_follow(named, p)): spelled[p] for p in spelled if p[1] and p not in replaced
                    and isinstance(_follow(named, p), torch.Tensor)}
         for place, value in objects.items():
             # Attributes the forward sets, as they were before the traced call (those the graph also
@@ -186,16 +188,17 @@ class DirectCall:
             walked = {p[1][len(place[1])][1] for p in spelled
                       if len(p[1]) > len(place[1]) and p[:1] == place[:1] and p[1][:len(place[1])] == place[1]}
             checks.check_object(reads, env, spelled[place], value, before, walked, aliases)
-        # The objects, and the tensors, as distinct as the arming call's (Dynamo guards aliasing); a
-        # tensor the forward replaces has already been replaced in the arming call.
-        replaced = {(p[0], (*p[1], ("attr", a))) for p, a in stored}
+        # The objects, and the tensors, as distinct as the arming call's (Dynamo guards aliasing).
         tensors = {p: v for p in spelled if p not in replaced and isinstance(v := _follow(named, p), torch.Tensor)}
         reads += checks.distinct(objects, spelled) + checks.distinct(tensors, spelled)
-        for k, (place, attr, _new, was, held) in enumerate(self.stores):
-            if place is None:  # an object the module or a global holds, taken by identity (as a weight is)
+        held_vars: dict[int, str] = {}  # objects the module or a global holds, taken by identity (as a weight is)
+        for k, (place, _attr, _new, _was, held) in enumerate(self.stores):
+            if place is None and id(held) not in held_vars:
+                held_vars[id(held)] = f"h{k}"
                 env[f"H{k}"] = held
                 reads.append(f"h{k} = H{k}")
-                checks.check_object(reads, env, f"h{k}", held, {attr: was}, set(), {})
+                before = {a: w for p, a, _n, w, h in self.stores if p is None and h is held}
+                checks.check_object(reads, env, f"h{k}", held, before, set(), {})
         if reads:
             body += ["try:", *("    " + line for line in reads),
                      "except Exception:", "    return MISS"]
@@ -215,7 +218,7 @@ class DirectCall:
                 call_args.append(f"{spelled[slot[1]]}.size({slot[2]})")
         body.append(f"out = run({', '.join(call_args)})")
         for k, (place, attr, new, _was, _held) in enumerate(self.stores):  # what Dynamo's frame does after the graph
-            obj = spelled[place] if place is not None else f"h{k}"
+            obj = spelled[place] if place is not None else held_vars[id(_held)]
             if new is _compat.STORED_TENSOR:
                 got = getattr(_follow(named, place) if place is not None else _held, attr, None)
                 idx = next((i for i, o in enumerate(outputs) if o is got), None)
