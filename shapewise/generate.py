@@ -11,11 +11,11 @@ traces; shapewise makes each one once:
   second dynamic size (``kv``), compiled over ``(1, max_length)``; with a static cache the
   cache has one size and decode is a single static variant.
 
-Decode steps call the compiled program directly, past Dynamo's frame (``direct_call``, on by
-default here; ``shapewise.direct``): the KV cache's tensors are read from the cache object as
-the trace read them, and the new tensors a dynamic cache's layers are set to are set as
-Dynamo's frame would. A trace that changes other Python state (prefill initialising a cache)
-keeps Dynamo's frame; ``fast.direct_info`` says which traces are on and why not.
+Prefill and decode steps call the compiled program directly, past Dynamo's frame
+(``direct_call``, on by default here; ``shapewise.direct``): the KV cache's tensors are read
+from the cache object as the trace read them, and what the forward sets on the cache's layers
+(a dynamic cache's new tensors, prefill's initialisation) is set as Dynamo's frame would set it.
+``fast.direct_info`` says which traces are on and why not.
 
 >>> fast = sw.compile_generate(model, prompt_sizes=[16, 32, 64, 128], prompt_ranges=[(129, 1024)],
 ...                            max_length=2048, backend="inductor")
