@@ -425,7 +425,7 @@ def _spell_place(place: tuple) -> str:
 
 def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Callable[..., Any],
                       module: Any, positional: Sequence[str], var_names: Sequence[str | None],
-                      keywords: Any, side_effects: list[tuple[Any, str]] | str | None = None) -> DirectCall | str:
+                      keywords: Any, side_effects: list[tuple] | str | None = None) -> DirectCall | str:
     """The trace's direct call (to be armed by a call), or why there is none. ``side_effects``:
     what the trace sets in Python state (``_compat.trace_side_effects``)."""
     if isinstance(side_effects, str):
@@ -469,8 +469,7 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
         place = place_of(source)
         if place is None and new is _compat.STORED_TENSOR:
             return f"the forward sets {_compat.source_name(source)}.{attr} to a tensor, outside its arguments"
-        was = checks.ABSENT if was is _compat.NOT_SET else checks.before_value(was)  # a tensor: its metadata
-        stores.append((place, attr, new, was, obj if place is None else None))
+        stores.append((place, attr, new, checks.before_value(was), obj if place is None else None))
     return DirectCall(slots, runnable, module, dims, sizes, stores, traced)
 
 
@@ -482,7 +481,7 @@ def bound_module(model: Any) -> Any:
 def self_in_args(model: Any) -> bool:
     """Whether the forward Dynamo traces is a wrapper ``(*args, **kwargs)`` (a decorator's) that
     receives the module as ``args[0]``."""
-    if inspect.ismethod(model) and isinstance(model.__self__, torch.nn.Module):
+    if bound_module(model) is not model:
         fn = model.__func__  # a module's bound forward (compile_generate installs one)
     else:
         fn = getattr(type(model), "forward", None) if isinstance(model, torch.nn.Module) else None

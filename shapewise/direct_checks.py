@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ABSENT", "CONSTANT_TYPES", "before_value", "check_object", "distinct", "pattern", "seen", "tensor_meta"]
+from shapewise import _compat
 
-#: An attribute an object did not have before the traced call.
-ABSENT = object()
+__all__ = ["CONSTANT_TYPES", "before_value", "check_object", "distinct", "pattern", "seen", "tensor_meta"]
 
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -73,7 +72,7 @@ def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict
     """Append the checks of one object the call reads inside.
 
     ``before``: the attributes the forward sets, with their values before the traced call (or
-    ``ABSENT``); ``walked``: attributes that lead on to something the graph reads (checked
+    ``_compat.NOT_SET``); ``walked``: attributes that lead on to something the graph reads (checked
     where they are read); ``aliases``: id of a tensor the graph reads -> the variable the call
     reads it into."""
     n = len(env)
@@ -121,7 +120,7 @@ def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict
         env[f"XZ{n}"] = tuple(v for _, v in cls) if len(cls) > 1 else cls[0][1]
         lines.append(f"if XC{n}(XT{n}) != XZ{n}: return MISS")
     for k, (name, v) in enumerate(sorted(before.items(), key=lambda kv: kv[0])):
-        if v is ABSENT:
+        if v is _compat.NOT_SET:
             lines.append(f"if hasattr({var}, {name!r}): return MISS")
         elif isinstance(v, tuple) and v and v[0] is _TENSOR:
             env[f"XB{n}_{k}"] = v[1]

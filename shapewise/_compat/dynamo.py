@@ -97,7 +97,7 @@ def trace_side_effects() -> list[tuple[Any, str, Any, Any, Any]] | str | None:
             continue  # an object the call creates: not state that outlives the call unless stored somewhere
         if own is not None and type(var.source).__name__ == "LocalSource" and var.source.local_name == own:
             continue  # the frame's own **kwargs: a dict Python builds afresh for each call
-        where = _safe_name(var.source) if var.source is not None else type(var).__name__
+        where = source_name(var.source) if var.source is not None else type(var).__name__
         if var not in stores:
             if _dict_as_it_was(var, tx):
                 continue
@@ -151,13 +151,6 @@ def _own_kwargs(tx: Any) -> str | None:
         return None
     at = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
     return code.co_varnames[at]
-
-
-def _safe_name(source: Any) -> str:
-    try:
-        return source_name(source)
-    except NotImplementedError:  # a temporary of the trace: no name
-        return type(source).__name__
 
 
 def size_source(source):
@@ -256,9 +249,12 @@ def is_graph_break(e: BaseException) -> bool:
 
 def source_name(source: Any) -> str:
     """How Dynamo spells a source (``L['args'][0]._modules['model']``): a property in newer
-    torch, a method in older."""
-    name = getattr(source, "name", None)
-    name = name() if callable(name) else name
+    torch, a method in older; a temporary of the trace, which has no name: its kind."""
+    try:
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+    except NotImplementedError:
+        return type(source).__name__
     return name if isinstance(name, str) else str(source)
 
 
