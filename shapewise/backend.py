@@ -104,19 +104,46 @@ def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], o
         raise ConfigError(f"unknown shapewise option(s) {sorted(unknown)}; known: {known}")
     names = dict(opts.pop("symbol_names", {}) or {})
     on_miss = opts.pop("on_miss", "error")
-    scalars = _compat.scalars_passed_as_tensors(gm)
-    if scalars:
-        raise ConfigError(
-            f"Dynamo passed the Python float(s) {scalars[:3]} to the graph as tensors (torch.compile(dynamic=True) "
-            "leaves floats unspecialised; a module's Dropout.p is one): shapewise compiles static kernels and needs "
-            "them constant. Set torch._dynamo.config.specialize_float = True, or use shapewise.compile(model, ...), "
-            "which traces with floats specialised")
+    # torch.compile(dynamic=True) leaves floats unspecialised (Dropout.p, an embedding's
+    # norm_type): they arrive as 0-d tensors. Static kernels take them as the constants they were
+    # at the trace, and each call checks they still are.
+    as_traced = _compat.copy_graph_module(gm) if _compat.scalars_passed_as_tensors(gm) else None
+    floats = _compat.specialise_scalar_inputs(gm)
     _specialise_layout_symbols(gm)
     # A name of a dim this trace fixed (its first, static trace; a decode trace's seq=1) names no
     # symbol here: left out, where a Program's AnalyzeShapes would refuse it.
     names = resolve_symbol_names(names, _trace_symbols(gm), strict=False)
     program = Program(gm=gm, symbol_names=names, on_miss=on_miss, inputs_guarded_by="dynamo")
-    return build_pipeline(**opts).run(program)
+    runnable = build_pipeline(**opts).run(program)
+    return _FloatsChecked(runnable, floats, as_traced) if floats else runnable
+
+
+class _FloatsChecked:
+    """A runnable whose trace read Python floats as constants (``specialise_scalar_inputs``):
+    each call checks them first. A call with a float that changed since the trace (Dynamo does
+    not guard unspecialised floats) runs the graph as traced, eagerly, with a warning: right,
+    not fast."""
+
+    def __init__(self, runnable: Runnable, floats: Sequence[tuple[int, str, float]],
+                 as_traced: torch.fx.GraphModule) -> None:
+        self.runnable, self.floats, self.as_traced = runnable, tuple(floats), as_traced
+        self._warned: set[str] = set()
+
+    def __call__(self, *args: Any) -> Any:
+        for i, name, value in self.floats:
+            now = args[i].item()
+            if now != value and not (now != now and value != value):  # NaN stays NaN
+                if name not in self._warned:
+                    self._warned.add(name)
+                    log.warning("shapewise: %s was %s when this graph was traced and is %s now; the compiled "
+                                "kernels have it as a constant, so calls with the new value run the graph eagerly "
+                                "(set torch._dynamo.config.specialize_float = True to trace again instead)",
+                                name, value, now)
+                return self.as_traced(*args)
+        return self.runnable(*args)
+
+    def __getattr__(self, name: str) -> Any:  # report(), program, table: the runnable's
+        return getattr(self.runnable, name)
 
 
 def _trace_symbols(gm: torch.fx.GraphModule) -> tuple[Any, ...]:

@@ -146,8 +146,8 @@ class DirectCall:
                 if why:
                     return why
             elif type(value) in _CONSTANTS:
-                env[f"C{n}"] = value
-                body.append(f"if type({var}) is not {type(value).__name__} or {var} != C{n}: return MISS")
+                env[f"C{n}"], env[f"CT{n}"] = value, type(value)  # type(None) has no builtin name
+                body.append(f"if type({var}) is not CT{n} or {var} != C{n}: return MISS")
             elif not any(p[0] == name for p in places):
                 return f"argument {name!r} is a {type(value).__name__}: only tensors and constants are checked"
         # Inside arguments: read and checked in a try (what fails to read or compare is a miss).

@@ -37,6 +37,13 @@ from shapewise.module import ShapewiseModule
 __all__ = ["compile_generate"]
 
 _OWN = ("sizes", "ranges", "dynamic_dims")
+_COUNTERS = ("cumulative_length", "cumulative_length_int")
+
+
+def _uses_cache(model: torch.nn.Module) -> bool:
+    """Whether ``generate()`` passes this model a KV cache (its generation config decides, else its config)."""
+    flag = getattr(model.generation_config, "use_cache", None)
+    return (flag if flag is not None else getattr(model.config, "use_cache", True)) is not False
 
 
 def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
@@ -66,20 +73,33 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                           f"{type(model).__name__}.forward takes {list(params)}")
     # The cache argument is ``cache`` in transformers >= 5.2x, ``past_key_values`` before.
     cache_arg = next((n for n in ("cache", "past_key_values") if n in params), None)
+    if cache_arg is not None and not _uses_cache(model):
+        cache_arg = None  # generate() passes no cache: every step runs the whole sequence again
     dims: dict[str, dict[int, str]] = {"input_ids": {1: "seq"}}
     if "position_ids" in params:
         dims["position_ids"] = {1: "seq"}
     grows = not static_cache and cache_arg is not None
-    if grows:
-        dims[cache_arg] = {2: "kv"}  # every [batch, kv heads, kv length, head dim] tensor of the cache
-        if "attention_mask" in params:
-            dims["attention_mask"] = {1: "ctx"}  # [batch, kv length + new tokens] (older transformers pass it)
-    prompt = [{"seq": s, **({"ctx": s} if "attention_mask" in dims else {})} for s in prompt_sizes]
-    prompt_r = [{"seq": tuple(r), **({"ctx": tuple(r)} if "attention_mask" in dims else {})} for r in prompt_ranges]
-    if grows:
-        sizes, ranges = prompt, [*prompt_r, {"seq": 1, "kv": (1, max_length)}]
-    else:
-        sizes, ranges = [*prompt, {"seq": 1}], prompt_r
+    if cache_arg is not None:
+        # The token counts sliding-window layers keep as Python ints (a dynamic cache's
+        # ``cumulative_length``, a static one's ``cumulative_length_int``): sizes, not constants.
+        dims[cache_arg] = {**({2: "kv"} if grows else {}), **dict.fromkeys(_COUNTERS, "pos")}
+    if "attention_mask" in params:
+        # [batch, tokens so far] (2-d), or [batch, 1, new tokens, kv length] (4-d: a static cache's, at its length)
+        dims["attention_mask"] = {-1: "ctx"}
+    ctx = "attention_mask" in dims
+    prompt = [{"seq": s, **({"ctx": s} if ctx else {})} for s in prompt_sizes]
+    prompt_r = [{"seq": tuple(r), **({"ctx": tuple(r)} if ctx else {})} for r in prompt_ranges]
+    # Decode: one token; the cache's length, the mask's and the layers' counters over the sequence.
+    span = (1, max_length)
+    decode = {"seq": 1, **({"kv": span} if grows else {}), **({"ctx": span} if ctx else {}),
+              **({"pos": span} if cache_arg is not None else {})}
+    sizes, ranges = prompt, [*prompt_r, decode]
+    if cache_arg is None:
+        # No KV cache: each step is a prefill one token longer, so the prefill trace serves the
+        # lengths past the prompts, up to max_length (one range, symbolic kernels).
+        longest = max([*prompt_sizes, *(hi for _, hi in prompt_ranges)], default=0)
+        grow = (longest + 1, max_length)
+        ranges = [*prompt_r, *([{"seq": grow, **({"ctx": grow} if ctx else {})}] if grow[0] <= grow[1] else [])]
     if static_cache:
         model.generation_config.cache_implementation = "static"
     # With a static cache on a GPU, generate() would wrap the forward in torch.compile itself.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -60,22 +60,56 @@ def _tensors_of(value: Any, deep: bool = False) -> list[torch.Tensor]:
     return out
 
 
-def _dims_spec(spec: Any, arg: str) -> dict[int, str]:
-    """``1`` / ``[0, 1]`` / ``{0: "batch", 1: "seq"}`` → {dim: name}."""
+def _dims_spec(spec: Any, arg: str) -> dict[int | str, str]:
+    """``1`` / ``[0, 1]`` / ``{0: "batch", 1: "seq"}`` → {dim: name}. In the dict form a string key
+    names an int attribute of an object argument (``{2: "kv", "cumulative_length": "pos"}``: a KV
+    cache's tensors' dim 2, and the token counters its layers keep as Python ints)."""
     if isinstance(spec, bool):
         raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
     if isinstance(spec, int):
         return {spec: DEFAULT_DIM_NAME}
     if isinstance(spec, Mapping):
-        out = {}
+        out: dict[int | str, str] = {}
         for d, name in spec.items():
-            if not isinstance(d, int) or isinstance(d, bool) or not isinstance(name, str) or not name:
-                raise ConfigError(f"dynamic_dims[{arg!r}] maps dims (ints) to names (strings), got {d!r}: {name!r}")
+            if not (isinstance(d, int) and not isinstance(d, bool) or isinstance(d, str) and d.isidentifier()) or \
+                    not isinstance(name, str) or not name:
+                raise ConfigError(f"dynamic_dims[{arg!r}] maps dims (ints) or int attributes of an object argument "
+                                  f"(identifiers) to names (strings), got {d!r}: {name!r}")
             out[d] = name
         return out
     if isinstance(spec, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in spec):
         return {d: DEFAULT_DIM_NAME for d in spec}
     raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
+
+
+def _int_paths(value: Any, attrs: Collection[str]) -> list[tuple[str, int]]:
+    """The int attributes named ``attrs`` inside an object argument, as (path in Dynamo's spelling
+    after the argument, value): ``[(".layers[0].cumulative_length", 12), ...]``."""
+    out: list[tuple[str, int]] = []
+    seen: set[int] = set()
+
+    def walk(v: Any, path: str, depth: int) -> None:
+        if depth > 4 or id(v) in seen or v is None or isinstance(v, (bool, int, float, str, torch.Tensor,
+                                                                      torch.device, torch.dtype, torch.nn.Module)):
+            return
+        seen.add(id(v))
+        if isinstance(v, (tuple, list)):
+            for i, item in enumerate(v):
+                walk(item, f"{path}[{i}]", depth + 1)
+            return
+        if isinstance(v, Mapping):
+            for k, item in v.items():
+                if isinstance(k, str):
+                    walk(item, f"{path}[{k!r}]", depth + 1)
+            return
+        for k, item in getattr(v, "__dict__", {}).items():
+            if k in attrs and type(item) is int:
+                out.append((f"{path}.{k}", item))
+            else:
+                walk(item, f"{path}.{k}", depth + 1)
+
+    walk(value, "", 0)
+    return out
 
 
 class NoDynamicSizes(BindingError):
@@ -117,16 +151,21 @@ class ShapewiseModule:
         # forward decorators), so a positional input_ids is args[1].
         self._source_positional = (["self", *self._positional] if self_in_args(model) else self._positional)
         self._dims: dict[str, dict[int, str]] | None = None
+        # Per object argument: its int attributes traced as sizes ({"cumulative_length": "pos"}).
+        self._int_attrs: dict[str, dict[str, str]] = {}
         if dynamic_dims is not None:
             self._dims = {}
             for arg, spec in dynamic_dims.items():
                 if arg not in params:
                     raise ConfigError(f"dynamic_dims names {arg!r}, which is not an argument of "
                                       f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
-                self._dims[arg] = _dims_spec(spec, arg)
+                full = _dims_spec(spec, arg)
+                self._dims[arg] = {d: n for d, n in full.items() if isinstance(d, int)}
+                if any(isinstance(d, str) for d in full):
+                    self._int_attrs[arg] = {d: n for d, n in full.items() if isinstance(d, str)}
         # Sizes and ranges before any trace (a typo should not cost a trace to find out).
-        check_sizes(sizes, ranges, names={n for spec in (self._dims or {"": {0: DEFAULT_DIM_NAME}}).values()
-                                          for n in spec.values()})
+        check_sizes(sizes, ranges, names={n for spec in [*(self._dims or {"": {0: DEFAULT_DIM_NAME}}).values(),
+                                                         *self._int_attrs.values()] for n in spec.values()})
         self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,
                              **pipeline_options)
         build_pipeline(**self._options)  # validates op names, backend, options before any trace
@@ -135,6 +174,7 @@ class ShapewiseModule:
         self._on_miss = on_miss
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}
+        self._int_sources: list[str] = []  # this call's marked ints, as Dynamo names their sources
         self.runnables: list[Runnable] = []
         # Per trace: the dims it fixed ({"seq": 1}), None for a dim it does not have ({"kv": None}).
         self.trace_fixed: list[dict[str, int | None]] = []
@@ -186,7 +226,33 @@ class ShapewiseModule:
                 ndim = tensors[0].dim()
                 arg_dims[arg] = {d % ndim if ndim else d: n for d, n in spec.items()}
         self._arg_dims = arg_dims
+        self._int_sources = self._mark_ints(bound, fixed)
         return seen
+
+    def _mark_ints(self, bound: inspect.BoundArguments, fixed: Mapping[str, int] | None) -> list[str]:
+        """The sources of the int attributes ``dynamic_dims`` names in object arguments, as Dynamo
+        spells them, for this call: each is traced as a symbol (a sliding-window layer's token
+        count, which would otherwise be a constant guarded per value: a trace per decode step). A
+        counter at 0 (an empty cache's layer) stays a constant, as do names in ``fixed``."""
+        out: list[str] = []
+        for arg, attrs in self._int_attrs.items():
+            value = bound.arguments.get(arg)
+            if value is None:
+                continue
+            if isinstance(value, (torch.Tensor, tuple, list, int, float, str)):
+                raise ConfigError(f"dynamic_dims names int attributes {sorted(attrs)} of {arg!r}, but it is a "
+                                  f"{type(value).__name__}; attributes are read inside an object argument (a KV cache)")
+            paths = [p for p, v in _int_paths(value, attrs)
+                     if v != 0 and attrs[p.rsplit(".", 1)[1]] not in (fixed or {})]
+            if not paths:
+                continue
+            bases = [f"L[{arg!r}]", f"L['kwargs'][{arg!r}]"]
+            names = list(bound.signature.parameters)
+            i = names.index(arg)
+            if i < len(bound.args):  # passed by position: L['args'][i] in a (*args, **kwargs) wrapper's frame
+                bases.append(f"L['args'][{self._source_positional.index(arg)}]")
+            out.extend(b + p for b in bases for p in paths)
+        return out
 
     def _to_fix(self, seen: Mapping[str, set[int]]) -> dict[str, int]:
         """The dims of a re-trace to specialise, as Dynamo alone would: a size 0 or 1 that every
@@ -222,6 +288,11 @@ class ShapewiseModule:
             value = _compat.node_value(node)
             if arg is not None and isinstance(value, torch.Tensor):
                 sizes[_compat.source_name(source)] = (arg, [d if isinstance(d, int) else None for d in value.shape])
+            attr = _compat.member_name(source) if arg in self._int_attrs else None
+            if attr in self._int_attrs.get(arg, {}) and isinstance(value, torch.SymInt):
+                e = _compat.sym_expr(value)
+                if isinstance(e, sympy.Symbol):
+                    names.setdefault(e, self._int_attrs[arg][attr])
             if arg in self._arg_dims and isinstance(value, torch.Tensor):
                 for d, name in self._arg_dims[arg].items():
                     if not -value.dim() <= d < value.dim():
@@ -249,7 +320,7 @@ class ShapewiseModule:
         # A named dim with no symbol of its own in this trace (absent from the call, or Dynamo
         # proved it equal to another, as a mask's length to the tokens' at prefill) follows the
         # others: every size of it agrees with this trace.
-        declared = {n for spec in (self._dims or {}).values() for n in spec.values()}
+        declared = {n for spec in [*(self._dims or {}).values(), *self._int_attrs.values()] for n in spec.values()}
         fixed.update({n: None for n in sorted(declared - set(names.values()) - set(fixed))})
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
                                                           "on_miss": self._on_miss, "fixed": fixed,
@@ -358,6 +429,19 @@ class ShapewiseModule:
                     f"fullgraph=True): {first}. Make that code traceable or move it out of the forward (e.g. a "
                     "logging call, a data-dependent Python branch); Dynamo's full message is the cause below"
                 ) from e
+            if inner is not None or _compat.is_internal_dynamo_error(e):
+                # A compile below the backend, or Dynamo itself, failed (not the model's own code,
+                # whose errors pass as they are): say so, with the first line of what failed.
+                what = inner if inner is not None else e
+                first = (str(what).strip().splitlines() or [type(what).__name__])[0][:300]
+                name = getattr(self.model, "__qualname__", type(self.model).__name__)
+                hint = (" The model reads a tensor's value (a data-dependent size or .item()): register the op that "
+                        "does it as a splitting op, or pass on_compile_error='fallback' to run that piece eagerly."
+                        if "data-dependent" in str(what) else "")
+                raise ShapewiseError(
+                    f"shapewise could not trace and compile {name}: {type(what).__name__}: {first}.{hint} "
+                    "The full error is the cause below"
+                ) from e
             raise
 
     def _traces_note(self) -> str:
@@ -423,7 +507,8 @@ class ShapewiseModule:
         count = len(self.runnables)
         self._local.tracing, self._local.fixed = True, fixed
         try:
-            with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget():
+            with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget(), \
+                    _compat.dynamic_int_sources(self._int_sources):
                 out = self._compiled(*args, **kwargs)
         finally:
             self._local.tracing, self._local.fixed = False, None
@@ -435,6 +520,13 @@ class ShapewiseModule:
         return out
 
     # -- inspection ----------------------------------------------------------------------
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The model's own signature: ``inspect.signature(fast)`` is ``inspect.signature(model.forward)``.
+        Callers that decide from it what to pass (transformers' ``generate()``: ``position_ids``,
+        ``attention_mask``, ``logits_to_keep``) pass what they pass the model itself."""
+        return self._signature
+
     @property
     def runnable(self) -> Runnable:
         if not self.runnables:

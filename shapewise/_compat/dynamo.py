@@ -11,11 +11,12 @@ import torch
 import torch.fx
 
 __all__ = [
-    "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dynamo_unique_graphs",
-    "has_static_address", "is_graph_break", "is_trace_error", "local_name_of", "mark_dynamic",
+    "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "copy_graph_module",
+    "dynamic_int_sources", "dynamo_unique_graphs", "has_static_address", "is_graph_break",
+    "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "member_name",
     "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world",
-    "scalars_passed_as_tensors", "size_source", "source_name", "storage_key", "STORED_TENSOR", "NOT_SET",
-    "trace_side_effects", "unmark_dynamic",
+    "scalars_passed_as_tensors", "size_source", "source_name", "specialise_scalar_inputs", "storage_key",
+    "STORED_TENSOR", "NOT_SET", "trace_side_effects", "unmark_dynamic",
 ]
 
 
@@ -30,6 +31,29 @@ def own_recompile_budget(extra: int = 1024) -> Iterator[None]:
     with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit + extra,
                              accumulated_recompile_limit=dynamo_config.accumulated_recompile_limit + extra):
         yield
+
+
+@contextlib.contextmanager
+def dynamic_int_sources(names: Sequence[str]) -> Iterator[None]:
+    """Trace the Python ints Dynamo reads at these sources (``L['kwargs']['cache'].layers[0].n``,
+    Dynamo's spelling) as symbols instead of constants guarded by value
+    (``torch.compiler.config.dynamic_sources``; other sources set there are kept)."""
+    if not names:
+        yield
+        return
+    import torch.compiler.config as compiler_config
+
+    before = compiler_config.dynamic_sources
+    with compiler_config.patch(dynamic_sources=",".join(x for x in (before, *names) if x)):
+        yield
+
+
+def member_name(source) -> str | None:
+    """The attribute an attribute source reads (``...layers[0].cumulative_length`` →
+    ``cumulative_length``), else None."""
+    from torch._dynamo.source import AttrSource
+
+    return source.member if isinstance(source, AttrSource) else None
 
 
 def placeholder_source(node: torch.fx.Node):
@@ -175,6 +199,64 @@ def scalars_passed_as_tensors(gm: torch.fx.GraphModule) -> list[str]:
     return out
 
 
+def specialise_scalar_inputs(gm: torch.fx.GraphModule) -> list[tuple[int, str, float]]:
+    """Read the Python floats Dynamo passed as 0-d tensors (``scalars_passed_as_tensors``) as the
+    constants they were at the trace: each ``.item()`` of one becomes its traced value, so the
+    graph compiles to static kernels. Returns (input position, source name, value) per float,
+    for the caller to check at run time (a float that changed is not what was compiled)."""
+    out = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        arg = node.meta.get("grapharg")
+        if arg is None or not getattr(arg, "pass_arg_as_tensor", False):
+            continue
+        example = arg.example
+        value = float(example.item()) if isinstance(example, torch.Tensor) else float(example)
+        for user in list(node.users):
+            reads = (user.op == "call_method" and user.target == "item") or (
+                user.op == "call_function" and user.target in (torch.ops.aten._local_scalar_dense.default,
+                                                               torch.ops.aten.item.default))
+            if reads:
+                user.replace_all_uses_with(value)
+                gm.graph.erase_node(user)
+        name = getattr(arg.source, "name", node.name)
+        out.append((i, name() if callable(name) else str(name), value))
+    if out:
+        _fold_scalar_arithmetic(gm)
+        gm.graph.lint()
+        gm.recompile()
+    return out
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` with a graph of its own (nodes and their meta copied; the module's
+    parameters and submodules shared), to keep as it is while ``gm`` is rewritten."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _fold_scalar_arithmetic(gm: torch.fx.GraphModule) -> None:
+    """Evaluate the Python arithmetic on constants left by ``specialise_scalar_inputs``
+    (``2.0 / math.pi`` once ``math.pi`` is a constant again), in graph order."""
+    import math
+    import operator
+
+    pure = {getattr(operator, n) for n in ("add", "sub", "mul", "truediv", "floordiv", "pow", "neg", "mod")} | {
+        getattr(math, n) for n in ("sqrt", "exp", "log", "pow", "floor", "ceil", "tanh", "sin", "cos")} | {
+        f for f in (getattr(torch, n, None) for n in ("_sym_sqrt", "sym_sqrt", "sym_float", "sym_max", "sym_min"))
+        if f is not None}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in pure:
+            continue
+        if any(isinstance(a, torch.fx.Node) for a in (*node.args, *node.kwargs.values())):
+            continue
+        value = node.target(*node.args, **node.kwargs)
+        node.replace_all_uses_with(float(value) if isinstance(value, torch.SymFloat) else value)
+        gm.graph.erase_node(node)
+
+
 def local_name_of(source, positional: Sequence[str] = (), var_positional: str | None = None,
                   var_keyword: str | None = None, keywords: Collection[str] = ()) -> str | None:
     """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None. When Dynamo
@@ -238,6 +320,13 @@ def is_trace_error(e: BaseException) -> bool:
     from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
     return isinstance(e, (TorchDynamoException, ConstraintViolationError))
+
+
+def is_internal_dynamo_error(e: BaseException) -> bool:
+    """Whether ``e`` is Dynamo failing in its own code (not the model's, not the backend's)."""
+    from torch._dynamo.exc import InternalTorchDynamoError
+
+    return isinstance(e, InternalTorchDynamoError)
 
 
 def is_graph_break(e: BaseException) -> bool:

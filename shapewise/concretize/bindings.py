@@ -18,7 +18,8 @@ from shapewise.errors import BindingError, ConfigError, GuardViolation
 from shapewise.ir.program import Binding, ShapeInfo, TensorMeta
 from shapewise.ir.symbolic import INT_MAX, range_text
 
-__all__ = ['check_binding', 'check_sizes', 'make_bindings', 'primary_symbols', 'refusal', 'resolve_names']
+__all__ = ['check_binding', 'check_sizes', 'clip_binding', 'make_bindings', 'primary_symbols', 'refusal',
+           'resolve_names']
 
 log = logging.getLogger("shapewise")
 
@@ -426,6 +427,27 @@ def check_binding(shapes: ShapeInfo, binding: Binding) -> None:
                 f"range {binding.describe(shapes.names)} ends at the size {at}, which contradicts the trace's guard "
                 f"`{_guard_text(shapes, guard)}`{where_text}; give a range whose ends satisfy it"
             )
+
+
+def clip_binding(shapes: ShapeInfo, binding: Binding) -> Binding | None:
+    """The part of a range binding this trace can serve: each ranged symbol's range cut to the
+    range the trace proved for it (a trace made on one side of a branch of the model's Python,
+    ``n < window``, serves only that side; a call past it fails the trace's guards and traces
+    again, for the other side). None when some symbol has nothing left; a static binding is
+    returned as it is (``check_binding`` judges it)."""
+    if binding.is_static:
+        return binding
+    items = []
+    for s, v in binding.items:
+        if isinstance(v, int):
+            items.append((s, v))
+            continue
+        lo, hi = shapes.ranges.get(s, (None, None))
+        vlo, vhi = max(v[0], lo if lo is not None else v[0]), min(v[1], hi if hi is not None else v[1])
+        if vlo > vhi:
+            return None
+        items.append((s, (vlo, vhi) if vlo < vhi else vlo))
+    return Binding(tuple(items))
 
 
 def refusal(shapes: ShapeInfo, name: str, value: int) -> str | None:

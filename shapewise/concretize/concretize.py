@@ -10,7 +10,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from shapewise._compat import FakeTensorMode
-from shapewise.concretize.bindings import _freeze, _FrozenDict, _is_int, check_binding, check_sizes, make_bindings
+from shapewise.concretize.bindings import (
+    _freeze,
+    _FrozenDict,
+    _is_int,
+    check_binding,
+    check_sizes,
+    clip_binding,
+    make_bindings,
+)
 from shapewise.concretize.examples import example_args
 from shapewise.concretize.observe import observed_inputs, observed_range_inputs
 from shapewise.errors import ConfigError, GuardViolation
@@ -27,11 +35,15 @@ log = logging.getLogger("shapewise")
 @dataclass(frozen=True)
 class Concretize(Pass):
     """Bindings from sizes/ranges; per compute piece one ``Variant`` with static example args.
-    A binding that contradicts a guard of the trace raises ``GuardViolation``; with
-    ``refused="skip"`` it is left out with a warning, with ``"skip-sizes"`` only a single size
-    is (behind Dynamo a call at that size traces again, and a trace at a size admits it; a
-    range has no such promise). ``sw.compile`` uses "skip-sizes" for its first trace and "skip"
-    for later ones; the torch.compile backend entry "skip".
+    A binding that contradicts a guard of the trace raises ``GuardViolation``. With
+    ``refused="skip"`` or ``"skip-sizes"`` a single size is left out with a warning (behind Dynamo
+    a call at that size traces again) and a range is cut to the part the trace's proven ranges
+    allow (``clip_binding``: a range across a branch of the model's Python, ``n < window``; left
+    out when nothing is left). A range whose ends contradict another guard (``n % 2 == 0``) is
+    still refused with ``"skip-sizes"``; with ``"skip"`` it is kept, its guards checked per call
+    (Dynamo's, or a direct call's checks of a range's interior). ``sw.compile`` uses
+    "skip-sizes" for its first trace and "skip" for later ones; the torch.compile backend entry
+    "skip".
 
     ``Concretize(sizes=(1, 8), ranges=((9, 512),))``; ``Concretize(sizes={"batch": [1, 2], "seq": [128]})``.
     """
@@ -67,11 +79,29 @@ class Concretize(Pass):
                                    fixed_sizes=self._fixed_sizes())
         bindings = []
         for b in make_bindings(shapes, self.sizes, self.ranges, self.fixed):
+            if self.refused != "error" and not b.is_static:
+                cut = clip_binding(shapes, b)
+                if cut is None:
+                    log.info("shapewise: %s is outside what this trace allows; a call in it traces again",
+                             b.describe(shapes.names))
+                    continue
+                if cut != b:
+                    log.info("shapewise: this trace serves %s of the range %s (a call in the rest of it fails the "
+                             "trace's guards and traces again)", cut.describe(shapes.names), b.describe(shapes.names))
+                b = cut
             try:
                 check_binding(shapes, b)
             except GuardViolation as e:
                 if self.refused == "error" or (self.refused == "skip-sizes" and not b.is_static):
                     raise
+                if not b.is_static:
+                    # A guard over several symbols fails at some corner of the range: the trace
+                    # serves the sizes in it that its guards allow (Dynamo's guards, or a direct
+                    # call's checks of the range's interior, send the others to another trace).
+                    log.info("shapewise: this trace serves only the sizes its guards allow in %s: %s",
+                             b.describe(shapes.names), e)
+                    bindings.append(b)
+                    continue
                 log.warning("shapewise: skipping %s in this trace: %s (a call at that size makes Dynamo trace again)",
                             b.describe(shapes.names), e)
                 continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -222,27 +223,38 @@ def backend_compile(name, **options):
                          options={"splitting_ops": ["sdpa"], "backend": "aot_eager", **options})
 
 
-@pytest.fixture
-def specialised_floats():
-    # torch.compile(dynamic=True) leaves floats unspecialised (Dropout.p becomes a graph input
-    # read with .item()); shapewise needs them constant and says so (see the test below).
-    with torch._dynamo.config.patch(specialize_float=True):
-        yield
+def test_torch_compile_backend_takes_unspecialised_floats_as_traced(caplog):
+    # torch.compile(dynamic=True) leaves floats unspecialised (Dropout.p, LayerNorm's eps arrive as
+    # 0-d tensor inputs read with .item(), unguarded): shapewise compiles them as the constants they
+    # were at the trace, with no Dynamo config set; a call after one changed runs as traced, eagerly.
+    def f(x, w, scale):
+        return torch.tanh(x @ w) * scale
+
+    fast = torch.compile(f, backend="shapewise", dynamic=True, options={"backend": "aot_eager", "sizes": [2, 4]})
+    w = torch.randn(8, 8)
+    for b, scale in ((2, 0.5), (4, 0.5), (2, 0.25), (4, 3.0)):
+        x = torch.randn(b, 8)
+        assert_same(fast(x, w, scale), f(x, w, scale), f"batch={b} scale={scale}")
+    assert re.search(r"scale'\] was 0\.5 when this graph was traced and is 0\.25 now", caplog.text)
+    check_vit(backend_compile("vit", sizes=[2, 4]), (2, 4))
 
 
-def test_torch_compile_backend_says_how_to_handle_unspecialised_floats():
-    # Dynamo wraps the backend's ConfigError in its BackendCompilerFailed
-    with pytest.raises(Exception, match=r"ConfigError: Dynamo passed the Python float\(s\) .*dropout.*\.p.*"
-                                        r"specialize_float = True"):
-        check_vit(backend_compile("vit", sizes=[1, 2, 4]), (2,))
-
-
-def test_torch_compile_backend_vit(specialised_floats):
+def test_torch_compile_backend_vit():
     # Dynamo specialises batch 1 (dynamic=True): the trace at 2 leaves it out, and the call at
     # 1 is served by the trace Dynamo makes then.
     check_vit(backend_compile("vit", sizes=[1, 2, 4], ranges=[(5, 8)]), (2, 4, 7, 1))
 
 
-def test_torch_compile_backend_bert(specialised_floats):
+def test_torch_compile_backend_bert():
     # The sequence stays at its traced length here (only the batch is bound).
     check_encoder("bert", backend_compile("bert", sizes=[2, 4], ranges=[(5, 8)]), [(2, 8), (4, 8), (6, 8)])
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_torch_compile_backend_decoders(name):
+    # torch.compile's own defaults (dynamic=True, floats unspecialised), no Dynamo config set:
+    # the batch bound by plain sizes, the sequence left symbolic by Dynamo (a range variant).
+    model, fast = model_of(name), backend_compile(name, sizes=[2, 4], ranges=[(5, 8)])
+    for b, t in ((2, 8), (4, 8), (6, 8)):
+        ids = torch.randint(0, 128, (b, t), generator=torch.Generator().manual_seed(b * t))
+        assert_same(fast(input_ids=ids).logits, model(input_ids=ids).logits, f"{name} batch={b} seq={t}")
