@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -20,96 +20,11 @@ from shapewise.direct import MISS, DirectCalls, bound_module, build_direct_call,
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
+from shapewise.marks import dims_spec, int_paths, tensors_of
 
 __all__ = ["NoDynamicSizes", "ShapewiseModule", "compile"]
 
 log = logging.getLogger("shapewise")
-
-
-def _tensors_of(value: Any, deep: bool = False) -> list[torch.Tensor]:
-    """A tensor argument, or the tensors of a tuple/list argument (one level). ``deep``: also
-    the tensors held by an object argument, through its attributes, lists and dicts (a
-    transformers ``DynamicCache``: ``cache.layers[i].keys`` / ``.values``), in attribute order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)) and not deep:
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    if not deep:
-        return []
-    out: list[torch.Tensor] = []
-    seen: set[int] = set()
-
-    def walk(v: Any, depth: int) -> None:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-            return
-        if depth > 4 or id(v) in seen or v is None or isinstance(v, (bool, int, float, str, torch.device,
-                                                                      torch.dtype, torch.nn.Module)):
-            return
-        seen.add(id(v))
-        if isinstance(v, (tuple, list)):
-            items = list(v)
-        elif isinstance(v, Mapping):
-            items = list(v.values())
-        else:
-            items = list(getattr(v, "__dict__", {}).values())
-        for item in items:
-            walk(item, depth + 1)
-
-    walk(value, 0)
-    return out
-
-
-def _dims_spec(spec: Any, arg: str) -> dict[int | str, str]:
-    """``1`` / ``[0, 1]`` / ``{0: "batch", 1: "seq"}`` → {dim: name}. In the dict form a string key
-    names an int attribute of an object argument (``{2: "kv", "cumulative_length": "pos"}``: a KV
-    cache's tensors' dim 2, and the token counters its layers keep as Python ints)."""
-    if isinstance(spec, bool):
-        raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
-    if isinstance(spec, int):
-        return {spec: DEFAULT_DIM_NAME}
-    if isinstance(spec, Mapping):
-        out: dict[int | str, str] = {}
-        for d, name in spec.items():
-            if not (isinstance(d, int) and not isinstance(d, bool) or isinstance(d, str) and d.isidentifier()) or \
-                    not isinstance(name, str) or not name:
-                raise ConfigError(f"dynamic_dims[{arg!r}] maps dims (ints) or int attributes of an object argument "
-                                  f"(identifiers) to names (strings), got {d!r}: {name!r}")
-            out[d] = name
-        return out
-    if isinstance(spec, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in spec):
-        return {d: DEFAULT_DIM_NAME for d in spec}
-    raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
-
-
-def _int_paths(value: Any, attrs: Collection[str]) -> list[tuple[str, int]]:
-    """The int attributes named ``attrs`` inside an object argument, as (path in Dynamo's spelling
-    after the argument, value): ``[(".layers[0].cumulative_length", 12), ...]``."""
-    out: list[tuple[str, int]] = []
-    seen: set[int] = set()
-
-    def walk(v: Any, path: str, depth: int) -> None:
-        if depth > 4 or id(v) in seen or v is None or isinstance(v, (bool, int, float, str, torch.Tensor,
-                                                                      torch.device, torch.dtype, torch.nn.Module)):
-            return
-        seen.add(id(v))
-        if isinstance(v, (tuple, list)):
-            for i, item in enumerate(v):
-                walk(item, f"{path}[{i}]", depth + 1)
-            return
-        if isinstance(v, Mapping):
-            for k, item in v.items():
-                if isinstance(k, str):
-                    walk(item, f"{path}[{k!r}]", depth + 1)
-            return
-        for k, item in getattr(v, "__dict__", {}).items():
-            if k in attrs and type(item) is int:
-                out.append((f"{path}.{k}", item))
-            else:
-                walk(item, f"{path}.{k}", depth + 1)
-
-    walk(value, "", 0)
-    return out
 
 
 class NoDynamicSizes(BindingError):
@@ -159,7 +74,7 @@ class ShapewiseModule:
                 if arg not in params:
                     raise ConfigError(f"dynamic_dims names {arg!r}, which is not an argument of "
                                       f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
-                full = _dims_spec(spec, arg)
+                full = dims_spec(spec, arg)
                 self._dims[arg] = {d: n for d, n in full.items() if isinstance(d, int)}
                 if any(isinstance(d, str) for d in full):
                     self._int_attrs[arg] = {d: n for d, n in full.items() if isinstance(d, str)}
@@ -195,14 +110,14 @@ class ShapewiseModule:
         dims = self._dims
         if dims is None:
             dims = {k: {0: DEFAULT_DIM_NAME} for k, v in bound.arguments.items()
-                    if any(t.dim() > 0 for t in _tensors_of(v))}
+                    if any(t.dim() > 0 for t in tensors_of(v))}
         dims = {a: spec for a, spec in dims.items() if bound.arguments.get(a) is not None}  # optional, left out
         arg_dims: dict[str, dict[int, str]] = {}
         seen: dict[str, set[int]] = {}
         for arg, spec in dims.items():
             value = bound.arguments[arg]
             deep = not isinstance(value, (torch.Tensor, tuple, list, int, float, complex, str))  # a KV cache
-            tensors = _tensors_of(value, deep)
+            tensors = tensors_of(value, deep)
             if not tensors and not deep:
                 raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(value).__name__} "
                                   "with no tensor in it (a tensor, a tuple/list of tensors or an object holding "
@@ -242,7 +157,7 @@ class ShapewiseModule:
             if isinstance(value, (torch.Tensor, tuple, list, int, float, str)):
                 raise ConfigError(f"dynamic_dims names int attributes {sorted(attrs)} of {arg!r}, but it is a "
                                   f"{type(value).__name__}; attributes are read inside an object argument (a KV cache)")
-            paths = [p for p, v in _int_paths(value, attrs)
+            paths = [p for p, v in int_paths(value, attrs)
                      if v != 0 and attrs[p.rsplit(".", 1)[1]] not in (fixed or {})]
             if not paths:
                 continue

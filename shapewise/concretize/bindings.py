@@ -397,11 +397,14 @@ def _holds(guard: Any, values: Mapping[sympy.Symbol, int]) -> bool | None:
 
 
 
-def check_binding(shapes: ShapeInfo, binding: Binding) -> None:
+def check_binding(shapes: ShapeInfo, binding: Binding, single_symbol: bool = False) -> None:
     """Refuse a binding that contradicts the trace's guards or proven value ranges. A range is
     checked at its ends (the sizes it names), so ``(1, 8)`` under a guard ``n != 1`` fails here,
     before any compile; sizes inside it that a guard refuses (odd ones under ``n % 2 == 0``) are
-    the model's to refuse at run time (behind Dynamo, its guards trace them again)."""
+    the model's to refuse at run time (behind Dynamo, its guards trace them again). ``single_symbol``:
+    a range's corners are checked against the guards over one symbol only (its symbols can vary
+    together, seq with ctx, so a corner of the box may be a call that never comes; the other
+    guards are checked per call, by Dynamo or a direct call)."""
     for s, v in binding.items:
         lo, hi = shapes.ranges.get(s, (None, None))
         vlo, vhi = (v, v) if isinstance(v, int) else v
@@ -413,6 +416,8 @@ def check_binding(shapes: ShapeInfo, binding: Binding) -> None:
     guards = [sympy.sympify(g) for g, _ in shapes.guards]
     points = [binding.static_values()] if binding.is_static else binding.corners()
     for (guard, where), g in zip(shapes.guards, guards):
+        if single_symbol and len(g.free_symbols) > 1:
+            continue  # a range's corners pair sizes that never come together (seq=11 with ctx=2)
         for values in points:
             if _holds(g, values) is not False:
                 continue
@@ -439,10 +444,12 @@ def clip_binding(shapes: ShapeInfo, binding: Binding) -> Binding | None:
         return binding
     items = []
     for s, v in binding.items:
+        lo, hi = shapes.ranges.get(s, (None, None))
         if isinstance(v, int):
+            if (lo is not None and v < lo) or (hi is not None and v > hi):
+                return None  # a size of it this trace cannot have (decode's seq=1 in a prefill trace)
             items.append((s, v))
             continue
-        lo, hi = shapes.ranges.get(s, (None, None))
         vlo, vhi = max(v[0], lo if lo is not None else v[0]), min(v[1], hi if hi is not None else v[1])
         if vlo > vhi:
             return None

@@ -90,7 +90,7 @@ class Concretize(Pass):
                              "trace's guards and traces again)", cut.describe(shapes.names), b.describe(shapes.names))
                 b = cut
             try:
-                check_binding(shapes, b)
+                check_binding(shapes, b, single_symbol=self.refused != "error" and not b.is_static)
             except GuardViolation as e:
                 if self.refused == "error" or (self.refused == "skip-sizes" and not b.is_static):
                     raise

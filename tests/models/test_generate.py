@@ -162,6 +162,8 @@ def test_hybrid_cache_with_linear_attention_layers():
     assert fast.traces == 2
 
 
+@pytest.mark.skipif(sw._compat.TORCH_VERSION < (2, 13), reason="torch 2.11's AOTAutograd fails on this range compile "
+                    "(an unbacked binding of a buffer's slice: 'shape_env should not be None'; seen on the H200)")
 def test_model_without_a_kv_cache_in_generate():
     # OpenAI GPT takes no cache: each step is a prefill one token longer, served by the prefill
     # trace's range past the prompt sizes.
