@@ -48,7 +48,8 @@ def test_greedy_generate_equals_eager(static_cache, direct_call):
         assert re.fullmatch(r"trace 1: on; trace 2 \(seq=1(, ctx=\d+)?\): on", fast.direct_info), fast.direct_info
         assert fast.direct_calls == len(prompts) + decode_steps - 2 and decode_steps > 10
     rows = fast.report()
-    keys = {(re.sub(r", ctx=\d+", "", r["trace"]), re.sub(r", ctx=\d+", "", r["key"])) for r in rows}
+    # the mask's length (ctx) shows where transformers passes one (2-d in 5.17, 4-d for a static cache in 5.2x)
+    keys = {(re.sub(r", ctx=[\d.]+", "", r["trace"]), re.sub(r", ctx=[\d.]+", "", r["key"])) for r in rows}
     decode = "{seq=1}" if static_cache else "{kv=1..64, seq=1}"
     assert keys == {("1", "{seq=12}"), ("1", "{seq=2..11}"), ("2 (seq=1)", decode)}
 
@@ -124,6 +125,8 @@ def test_generate_passes_the_compiled_forward_what_it_passes_eager():
     assert seen["compiled"] == seen["eager"] and "position_ids" in seen["eager"][0]
 
 
+@pytest.mark.skipif(sw._compat.TORCH_VERSION < (2, 13), reason="torch 2.11's AOTAutograd fails on the prefill compile "
+                    "of this model with transformers 5.17 ('shape_env should not be None'; seen on the H200)")
 @pytest.mark.parametrize("static_cache", [False, True])
 def test_sliding_window_decode_is_a_fixed_number_of_traces(static_cache):
     # Sliding-window layers count their tokens in a Python int (cumulative_length): traced as a
