@@ -45,7 +45,7 @@ TINY = {
     "index_n_heads": 4, "index_head_dim": 8, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "mamba_n_heads": 4, "mamba_d_head": 8,
     "mamba_expand": 1, "expand": 1, "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8,
-    "mamba_n_groups": 1, "n_groups": 1, "time_step_rank": 4,
+    "mamba_n_groups": 1, "n_groups": 1, "time_step_rank": 4, "qk_head_dim": 16, "n_group": 1, "topk_group": 1,
 }
 LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
 
@@ -56,11 +56,12 @@ def tiny_config(model_type: str) -> Any:
     cfg = T.AutoConfig.for_model(model_type)
 
     def shrink(c: Any, depth: int = 0) -> None:
+        before = dict(c.__dict__)
         for k, v in TINY.items():
-            if k in c.__dict__ and isinstance(c.__dict__[k], int) and not isinstance(c.__dict__[k], bool):
-                if k == "num_key_value_heads" and c.__dict__.get("num_key_value_heads") == c.__dict__.get(
+            if k in before and isinstance(before[k], int) and not isinstance(before[k], bool):
+                if k == "num_key_value_heads" and before.get("num_key_value_heads") == before.get(
                         "num_attention_heads"):
-                    v = 4
+                    v = 4  # multi-head (and latent) attention keeps a key/value head per query head
                 setattr(c, k, v)
         for k in LAYER_LISTS:  # per-layer lists follow the layer count
             v = c.__dict__.get(k)

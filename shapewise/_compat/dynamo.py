@@ -323,10 +323,11 @@ def is_trace_error(e: BaseException) -> bool:
 
 
 def is_internal_dynamo_error(e: BaseException) -> bool:
-    """Whether ``e`` is Dynamo failing in its own code (not the model's, not the backend's)."""
-    from torch._dynamo.exc import InternalTorchDynamoError
+    """Whether ``e`` is Dynamo failing in its own code, or refusing what it traced (a
+    data-dependent size it cannot specialise: ``UserError``), not the model's own error."""
+    from torch._dynamo.exc import InternalTorchDynamoError, UserError
 
-    return isinstance(e, InternalTorchDynamoError)
+    return isinstance(e, (InternalTorchDynamoError, UserError))
 
 
 def is_graph_break(e: BaseException) -> bool:

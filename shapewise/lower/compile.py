@@ -19,9 +19,16 @@ from shapewise.ir.program import Piece, Variant
 __all__ = ["lower_variant"]
 
 
-def _copy_gm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def _copy_gm(gm: torch.fx.GraphModule, static: bool = False) -> torch.fx.GraphModule:
     # Compilers take ownership of (mutate) the graph they get; the piece keeps its own.
-    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    out = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    if static:
+        # The trace's unbacked sizes (torch 2.11 makes a slice's size one under size-oblivious
+        # tracing) are concrete at one size: a compile from static inputs has no shape env to
+        # rebind them in ("shape_env should not be None", seen on the H200).
+        for node in out.graph.nodes:
+            node.meta.pop("unbacked_bindings", None)
+    return out
 
 
 def _fake_mode_of(args: list[Any]):
@@ -67,12 +74,12 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     oblivious = _compat.no_zero_one_specialisation(mode is not None and reaches_one)
     with _compat.fresh_tracing_context(mode), oblivious:
         if backend == "inductor":
-            fn = _compat.standalone_compile(_copy_gm(piece.gm), args, static=static, options=options,
+            fn = _compat.standalone_compile(_copy_gm(piece.gm, static), args, static=static, options=options,
                                             cache_salt=None if static else f"shapewise range {variant.binding}")
         elif backend == "aot_eager":
-            fn = _compat.aot_eager(_copy_gm(piece.gm), args)
+            fn = _compat.aot_eager(_copy_gm(piece.gm, static), args)
         else:
-            fn = backend(_copy_gm(piece.gm), args)
+            fn = backend(_copy_gm(piece.gm, static), args)
     if mode is not None:
         bad = _compat.range_guard_violations(mode)
         if bad:

@@ -49,9 +49,12 @@ def test_greedy_generate_equals_eager(static_cache, direct_call):
         assert fast.direct_calls == len(prompts) + decode_steps - 2 and decode_steps > 10
     rows = fast.report()
     # the mask's length (ctx) shows where transformers passes one (2-d in 5.17, 4-d for a static cache in 5.2x)
-    keys = {(re.sub(r", ctx=[\d.]+", "", r["trace"]), re.sub(r", ctx=[\d.]+", "", r["key"])) for r in rows}
+    def no_ctx(text):
+        return re.sub(r"\{, ", "{", re.sub(r"(, )?ctx=[\d.]+", "", text)).replace(" ()", "")
+
+    keys = {(no_ctx(r["trace"]), no_ctx(r["key"])) for r in rows}
     decode = "{seq=1}" if static_cache else "{kv=1..64, seq=1}"
-    assert keys == {("1", "{seq=12}"), ("1", "{seq=2..11}"), ("2 (seq=1)", decode)}
+    assert keys == {("1", "{seq=12}"), ("1", "{seq=2..11}"), ("2 (seq=1)", decode)}, sorted(keys)
 
 
 def test_compile_generate_refuses_what_it_chooses_itself():
@@ -125,8 +128,8 @@ def test_generate_passes_the_compiled_forward_what_it_passes_eager():
     assert seen["compiled"] == seen["eager"] and "position_ids" in seen["eager"][0]
 
 
-@pytest.mark.skipif(sw._compat.TORCH_VERSION < (2, 13), reason="torch 2.11's AOTAutograd fails on the prefill compile "
-                    "of this model with transformers 5.17 ('shape_env should not be None'; seen on the H200)")
+@pytest.mark.skipif(sw._compat.TORCH_VERSION < (2, 13), reason="torch 2.11's AOTAutograd fails on the prompt range's "
+                    "compile with transformers 5.17's 2-d mask ('u0 possible memo disaster'; seen on the H200)")
 @pytest.mark.parametrize("static_cache", [False, True])
 def test_sliding_window_decode_is_a_fixed_number_of_traces(static_cache):
     # Sliding-window layers count their tokens in a Python int (cumulative_length): traced as a
@@ -165,8 +168,6 @@ def test_hybrid_cache_with_linear_attention_layers():
     assert fast.traces == 2
 
 
-@pytest.mark.skipif(sw._compat.TORCH_VERSION < (2, 13), reason="torch 2.11's AOTAutograd fails on this range compile "
-                    "(an unbacked binding of a buffer's slice: 'shape_env should not be None'; seen on the H200)")
 def test_model_without_a_kv_cache_in_generate():
     # OpenAI GPT takes no cache: each step is a prefill one token longer, served by the prefill
     # trace's range past the prompt sizes.
