@@ -15,7 +15,8 @@ it; so does this, opt-in, under rules that keep answers right:
   CUDA graph's).
 - Its own checks, per call, stand in for Dynamo's guards that can change between calls: the
   same number of arguments and keywords; each tensor argument of the same type, dtype, device,
-  number of dims, ``requires_grad`` and contiguous (a non-contiguous tensor is not taken); the
+  number of dims, ``requires_grad``, contiguous as traced or, for a view the trace saw (a
+  sliding window's keys), its strides and offset as Dynamo guards them; the
   other arguments equal to the armed call's; grad mode, autocast and the module's ``training``
   flag as traced. Sizes as Dynamo guards them: every size the trace fixed equal to it (all of a
   tensor the graph does not read), and the dims that share a dynamic size equal to each other
@@ -39,10 +40,12 @@ it; so does this, opt-in, under rules that keep answers right:
 - Python side effects, from Dynamo's own record of the trace (``_compat.trace_side_effects``):
   a tensor the forward sets on an object it was given (a dynamic KV cache's
   ``layer.keys = torch.cat(...)``) is set by the direct call too, from the program's outputs, and
-  so is a constant set anywhere; the attributes set are checked as they were before the traced
-  call. Any other change (an attribute set to a new object, a list appended to) leaves the
-  trace's direct call off. A change that ends as it began (a dict whose items are put back, the
-  frame's own ``**kwargs``) is none.
+  so is a constant set anywhere, and an int the trace computes from sizes (a sliding layer's
+  ``cumulative_length + 1``, from the call's sizes; such ints inside arguments are read as
+  sizes); the attributes set are checked as they were before the traced call. Any other change
+  (an attribute set to a new object, a list appended to) leaves the trace's direct call off. A
+  change that ends as it began (a dict whose items are put back, the frame's own ``**kwargs``)
+  is none.
 """
 
 from __future__ import annotations
@@ -84,8 +87,12 @@ class DirectCall:
     def __init__(self, slots: list[tuple], runnable: Callable[..., Any], module: Any,
                  dims: dict[tuple, tuple[sympy.Expr, ...]] | None = None,
                  sizes: dict[tuple[tuple, int], sympy.Expr] | None = None,
-                 stores: Sequence[tuple] = (), traced: dict[tuple, tuple] | None = None) -> None:
-        self.slots = slots  # per graph input: ("param", tensor or mesh) | ("arg", place) | ("size", place, dim)
+                 stores: Sequence[tuple] = (), traced: dict[tuple, tuple] | None = None,
+                 ints: dict[tuple, sympy.Expr] | None = None,
+                 strides: dict[tuple, tuple[sympy.Expr, ...]] | None = None) -> None:
+        # per graph input: ("param", tensor or mesh) | ("arg", place) | ("size" / "stride", place, dim)
+        # | ("storage_offset", place, "")
+        self.slots = slots
         self.dims = dims or {}  # per tensor place the graph reads: its traced sizes (ints or symbols)
         self.sizes = sizes or {}  # per (place, dim) the graph reads a size of: that size's symbol
         # What the forward sets: (the object's place, or None for one held by identity, attribute,
@@ -94,6 +101,9 @@ class DirectCall:
         # Per tensor place inside an argument: what the trace saw of it (tensor_meta, contiguity).
         # The arming call's own tensor may have been replaced by then (a KV cache's keys).
         self.traced = traced or {}
+        # Per int place inside an argument the graph takes as a size (a layer's token counter): its symbol.
+        self.ints = ints or {}
+        self.strides = strides or {}  # per tensor place the graph reads: its traced strides
         self.runnable = runnable
         self.module = module
         self.fn: Callable[[tuple, dict], Any] | None = None  # generated when armed
@@ -166,7 +176,18 @@ class DirectCall:
                 var = spelled[inner] = f"r{len(spelled)}"
                 base = spelled[(name, steps[:k])]
                 reads.append(f"{var} = {base}.{key}" if kind == "attr" else f"{var} = {base}[{key!r}]")
-                if not isinstance(value, torch.Tensor):
+                if inner in self.ints and k + 1 == len(steps):
+                    reads.append(f"if type({var}) is not int: return MISS")
+                    symbol = self.ints[inner]
+                    if symbol.is_Integer:  # the trace fixed it (a counter before the window fills)
+                        reads.append(f"if {var} != {int(symbol)}: return MISS")
+                    elif not isinstance(symbol, sympy.Symbol):
+                        return f"the graph takes {_spell_place(inner)} as the size {symbol}, not a size of its own"
+                    elif symbol in symbols:
+                        reads.append(f"if {var} != {symbols[symbol]}: return MISS")
+                    else:
+                        symbols[symbol] = var
+                elif not isinstance(value, torch.Tensor):
                     objects[inner] = value
                 elif k + 1 < len(steps):
                     return f"the graph reads inside a tensor ({_spell_place(place)})"
@@ -215,7 +236,7 @@ class DirectCall:
             elif slot[0] == "arg":
                 call_args.append(spelled[slot[1]])
             else:
-                call_args.append(f"{spelled[slot[1]]}.size({slot[2]})")
+                call_args.append(f"{spelled[slot[1]]}.{slot[0]}({slot[2]})")
         body.append(f"out = run({', '.join(call_args)})")
         for k, (place, attr, new, _was, _held) in enumerate(self.stores):  # what Dynamo's frame does after the graph
             obj = spelled[place] if place is not None else held_vars[id(_held)]
@@ -225,6 +246,11 @@ class DirectCall:
                 if idx is None:
                     return f"the forward sets {attr} to a tensor the compiled program did not return"
                 body.append(f"{obj}.{attr} = out[{idx}]")
+            elif isinstance(new, _compat.StoredSize):  # an int the forward computes from sizes (n + 1)
+                try:
+                    body.append(f"{obj}.{attr} = {python_expr(new.expr, symbols)}")
+                except (NotImplementedError, KeyError):
+                    return f"the forward sets {attr} to {new.expr}, which a direct call cannot compute"
             else:
                 env[f"N{k}"] = new
                 body.append(f"{obj}.{attr} = N{k}")
@@ -255,13 +281,14 @@ class DirectCall:
         (cls, dtype, device, shape, grad), contiguous = seen
         if cls is not torch.Tensor:
             return f"{label} is a {cls.__name__}, not a plain tensor"
-        if not contiguous:
+        strides = self.strides.get(place)
+        if not contiguous and (strides is None or place not in self.dims):
             return f"{label} is not contiguous"
         n = len(env)
         env[f"D{n}"], env[f"V{n}"] = dtype, device
         body.append(f"if type({var}) is not Tensor or {var}.dtype is not D{n} or {var}.device != V{n} "
-                    f"or {var}.requires_grad is not {grad} or {var}.dim() != {len(shape)} "
-                    f"or not {var}.is_contiguous(): return MISS")
+                    f"or {var}.requires_grad is not {grad} or {var}.dim() != {len(shape)}"
+                    + (f" or not {var}.is_contiguous(): return MISS" if contiguous else ": return MISS"))
         traced = self.dims.get(place) or tuple(self.sizes.get((place, d), sympy.Integer(size))
                                                for d, size in enumerate(shape))
         fixed = [(d, int(e)) for d, e in enumerate(traced) if e.is_Integer]
@@ -278,6 +305,16 @@ class DirectCall:
                 body.append(f"if {var}.shape[{d}] != {symbols[e]}: return MISS")
             else:
                 symbols[e] = f"{var}.shape[{d}]"
+        if not contiguous:  # a view: its strides and offset as Dynamo guards them (symbols, or as traced)
+            for d, e in enumerate(strides):
+                read = f"{var}.stride({d})" if d < len(shape) else f"{var}.storage_offset()"
+                if e.is_Symbol and e not in symbols:
+                    symbols[e] = read
+                    continue
+                try:
+                    body.append(f"if {read} != {python_expr(e, symbols)}: return MISS")
+                except (NotImplementedError, KeyError):
+                    return f"the layout of {label} is {strides}, which a direct call cannot check"
         return None
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
@@ -443,19 +480,26 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
         name = path and _compat.local_name_of(path[0], positional, *var_names, keywords=keywords)
         return (name, path[1]) if name not in (None, "self") else None
 
+    strides: dict[tuple, tuple[sympy.Expr, ...]] = {}
     for node, example in zip(placeholders, example_inputs):
         source = _compat.placeholder_source(node)
         size = _compat.size_source(source)
-        read = size[0] if size is not None else source
+        stride = None if size is not None else (_compat.size_source(source, "stride")
+                                                 or _compat.size_source(source, "storage_offset"))
+        read = size[0] if size is not None else stride[0] if stride is not None else source
         place = place_of(read)
         if size is not None and place is not None:
             slots.append(("size", place, size[1]))
             sizes[(place, size[1])] = _compat.sym_expr(_compat.node_value(node))
+        elif stride is not None and place is not None:  # a view's layout (a sliding window's keys)
+            slots.append(("stride", place, stride[1]) if stride[1] is not None else ("storage_offset", place, ""))
         elif place is not None:
             slots.append(("arg", place))
             value = _compat.node_value(node)
             if isinstance(value, torch.Tensor):
                 dims[place] = tuple(_compat.sym_expr(size) for size in value.shape)
+                strides[place] = (*(_compat.sym_expr(st) for st in value.stride()),
+                                  _compat.sym_expr(value.storage_offset()))
                 if place[1] and isinstance(example, torch.Tensor):
                     traced[place] = checks.seen(example)
         elif (size is None and _compat.local_name_of(source, positional, *var_names, keywords=keywords) == "self"
@@ -464,13 +508,16 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
         else:
             return (f"input {node.name} comes from {_compat.source_name(read)}: neither an argument, a tensor "
                     "inside one, their sizes, nor the module's tensor")
+    ints = {place: _compat.sym_expr(_compat.node_value(node)) for node in placeholders
+            if isinstance(_compat.node_value(node), torch.SymInt)
+            and (place := place_of(_compat.placeholder_source(node))) is not None and place[1]}
     stores = []
     for source, attr, new, was, obj in side_effects or ():
         place = place_of(source)
         if place is None and new is _compat.STORED_TENSOR:
             return f"the forward sets {_compat.source_name(source)}.{attr} to a tensor, outside its arguments"
         stores.append((place, attr, new, checks.before_value(was), obj if place is None else None))
-    return DirectCall(slots, runnable, module, dims, sizes, stores, traced)
+    return DirectCall(slots, runnable, module, dims, sizes, stores, traced, ints, strides)
 
 
 def bound_module(model: Any) -> Any:

@@ -50,10 +50,14 @@ def test_what_the_checks_refuse_goes_through_dynamo_and_stays_right():
         assert _served_directly(fast, lambda: assert_same(fast(x), model(x), "eval again"))
         t = torch.randn(32, 8).t()  # not contiguous: Dynamo's path, which traces again for it
         assert not _served_directly(fast, lambda: assert_same(fast(t), model(t), "transposed"))
-        # The second trace's arming call is that non-contiguous one, which its checks refuse; the
-        # first trace's direct call still serves what it served.
+        # The second trace's arming call is that non-contiguous one: its direct call checks the
+        # strides and offset as Dynamo guards them; the first trace's still serves what it served.
         assert fast.traces == 2
-        assert fast.direct_info == "trace 1: on; trace 2: off: argument 'x' is not contiguous"
+        assert fast.direct_info == "trace 1: on; trace 2: on"
+        t = torch.randn(32, 8).t()
+        assert _served_directly(fast, lambda: assert_same(fast(t), model(t), "transposed again"))
+        v = torch.randn(40, 8)[2:34].t()  # the same strides at another offset: Dynamo's path
+        assert not _served_directly(fast, lambda: assert_same(fast(v), model(v), "offset"))
         assert _served_directly(fast, lambda: assert_same(fast(x), model(x), "after the second trace"))
     # Grad mode differs from the trace's: Dynamo's path.
     assert not _served_directly(fast, lambda: assert_same(fast(x), model(x), "grad on"))

@@ -10,13 +10,15 @@ from typing import Any
 import torch
 import torch.fx
 
+from shapewise._compat.shapes import sym_expr
+
 __all__ = [
     "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "copy_graph_module",
     "dynamic_int_sources", "dynamo_unique_graphs", "has_static_address", "is_graph_break",
     "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "member_name",
     "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world",
     "scalars_passed_as_tensors", "size_source", "source_name", "specialise_scalar_inputs", "storage_key",
-    "STORED_TENSOR", "NOT_SET", "trace_side_effects", "unmark_dynamic",
+    "STORED_TENSOR", "StoredSize", "NOT_SET", "trace_side_effects", "unmark_dynamic",
 ]
 
 
@@ -134,6 +136,9 @@ def trace_side_effects() -> list[tuple[Any, str, Any, Any, Any]] | str | None:
                 new = STORED_TENSOR
             elif value.is_python_constant():
                 new = value.as_python_constant()
+            elif type(value).__name__ == "SymNodeVariable" and isinstance(getattr(value, "sym_num", None),
+                                                                           torch.SymInt):
+                new = StoredSize(sym_expr(value.sym_num))  # a traced int (a token counter's n + 1)
             else:
                 return f"the forward sets {where}.{attr} to a {type(value).__name__} (Dynamo replays it, a direct " \
                        "call would not)"
@@ -143,6 +148,18 @@ def trace_side_effects() -> list[tuple[Any, str, Any, Any, Any]] | str | None:
 
 #: ``trace_side_effects``: a value that is a tensor the graph computes; an attribute that was not there.
 STORED_TENSOR, NOT_SET = object(), object()
+
+
+class StoredSize(tuple):
+    """``trace_side_effects``: an int attribute set to an expression of the trace's sizes
+    (``StoredSize((expr,))``; ``.expr``), which the caller computes from the call's sizes."""
+
+    def __new__(cls, expr: Any) -> StoredSize:
+        return super().__new__(cls, (expr,))
+
+    @property
+    def expr(self) -> Any:
+        return self[0]
 
 
 def _dict_as_it_was(var: Any, tx: Any) -> bool:
@@ -177,11 +194,16 @@ def _own_kwargs(tx: Any) -> str | None:
     return code.co_varnames[at]
 
 
-def size_source(source):
-    """(the tensor's source, dim) when ``source`` reads a size of a tensor (``L['x'].size()[0]``), else None."""
+def size_source(source, prop: str = "size"):
+    """(the tensor's source, dim) when ``source`` reads a size of a tensor (``L['x'].size()[0]``;
+    ``prop="stride"``: a stride, ``L['x'].stride()[1]``; ``"storage_offset"``: its offset, dim None), else None."""
     from torch._dynamo.source import TensorProperty, TensorPropertySource
 
-    if isinstance(source, TensorPropertySource) and source.prop == TensorProperty.SIZE and source.idx is not None:
+    if prop == "storage_offset":  # (the tensor's source, None): L['x'].storage_offset()
+        ok = isinstance(source, TensorPropertySource) and source.prop == TensorProperty.STORAGE_OFFSET
+        return (source.base, None) if ok else None
+    want = TensorProperty.SIZE if prop == "size" else TensorProperty.STRIDE
+    if isinstance(source, TensorPropertySource) and source.prop == want and source.idx is not None:
         return source.base, source.idx
     return None
 
