@@ -182,7 +182,8 @@ class DirectCall:
                     if symbol.is_Integer:  # the trace fixed it (a counter before the window fills)
                         reads.append(f"if {var} != {int(symbol)}: return MISS")
                     elif not isinstance(symbol, sympy.Symbol):
-                        return f"the graph takes {_spell_place(inner)} as the size {symbol}, not a size of its own"
+                        return (f"the graph takes {checks.spell_place(inner)} as the size {symbol}, "
+                                "not a size of its own")
                     elif symbol in symbols:
                         reads.append(f"if {var} != {symbols[symbol]}: return MISS")
                     else:
@@ -190,17 +191,17 @@ class DirectCall:
                 elif not isinstance(value, torch.Tensor):
                     objects[inner] = value
                 elif k + 1 < len(steps):
-                    return f"the graph reads inside a tensor ({_spell_place(place)})"
+                    return f"the graph reads inside a tensor ({checks.spell_place(place)})"
                 else:
                     why = self._check_tensor(reads, env, var, inner, self.traced.get(inner) or checks.seen(value),
-                                             _spell_place(inner), symbols)
+                                             checks.spell_place(inner), symbols)
                     if why:
                         return why
         stored = {(st[0], st[1]): st[3] for st in self.stores if st[0] is not None}
         # A tensor the forward replaces has already been replaced in the arming call.
         replaced = {(p[0], (*p[1], ("attr", a))) for p, a in stored}
-        aliases = {id(_follow(named, p)): spelled[p] for p in spelled if p[1] and p not in replaced
-                   and isinstance(_follow(named, p), torch.Tensor)}
+        aliases = {id(checks.follow(named, p)): spelled[p] for p in spelled if p[1] and p not in replaced
+                   and isinstance(checks.follow(named, p), torch.Tensor)}
         for place, value in objects.items():
             # Attributes the forward sets, as they were before the traced call (those the graph also
             # reads are checked where they are read, dynamic sizes and all).
@@ -210,7 +211,8 @@ class DirectCall:
                       if len(p[1]) > len(place[1]) and p[:1] == place[:1] and p[1][:len(place[1])] == place[1]}
             checks.check_object(reads, env, spelled[place], value, before, walked, aliases)
         # The objects, and the tensors, as distinct as the arming call's (Dynamo guards aliasing).
-        tensors = {p: v for p in spelled if p not in replaced and isinstance(v := _follow(named, p), torch.Tensor)}
+        tensors = {p: v for p in spelled
+                   if p not in replaced and isinstance(v := checks.follow(named, p), torch.Tensor)}
         reads += checks.distinct(objects, spelled) + checks.distinct(tensors, spelled)
         held_vars: dict[int, str] = {}  # objects the module or a global holds, taken by identity (as a weight is)
         for k, (place, _attr, _new, _was, held) in enumerate(self.stores):
@@ -223,9 +225,9 @@ class DirectCall:
         if reads:
             body += ["try:", *("    " + line for line in reads),
                      "except Exception:", "    return MISS"]
-        for guard in _interior_guards(self.runnable):
+        for guard in checks.interior_guards(self.runnable):
             try:
-                body.append(f"if not {_spell_bool(guard, symbols)}: return MISS")
+                body.append(f"if not {checks.spell_bool(guard, symbols)}: return MISS")
             except (NotImplementedError, KeyError):
                 return f"the trace guards its sizes with {guard}, which a direct call cannot check"
         call_args = []
@@ -241,7 +243,7 @@ class DirectCall:
         for k, (place, attr, new, _was, _held) in enumerate(self.stores):  # what Dynamo's frame does after the graph
             obj = spelled[place] if place is not None else held_vars[id(_held)]
             if new is _compat.STORED_TENSOR:
-                got = getattr(_follow(named, place) if place is not None else _held, attr, None)
+                got = getattr(checks.follow(named, place) if place is not None else _held, attr, None)
                 idx = next((i for i, o in enumerate(outputs) if o is got), None)
                 if idx is None:
                     return f"the forward sets {attr} to a tensor the compiled program did not return"
@@ -408,56 +410,11 @@ class DirectCalls:
         return "; ".join(f"trace {label(i)}: {info}" for i, info in enumerate(self.infos))
 
 
-def _interior_guards(runnable: Any) -> list[sympy.Basic]:
-    """The trace's guards on its sizes that a range's ends do not decide for the sizes inside it
-    (``Eq(Mod(s0, 2), 0)``, ``Ne(s0, 5)``; not a bound ``s0 >= 2``), where the trace has ranges:
-    a single size's guards were checked when it was compiled, a range's only at its ends."""
-    program = getattr(runnable, "program", None)
-    if program is None or all(b.is_static for b in program.bindings):
-        return []
-    return [g for g, _ in program.shapes.guards if g.free_symbols and not _is_bound(g)]
-
-
-def _is_bound(guard: sympy.Basic) -> bool:
-    """``s0 >= 2`` and the like: one size against a number."""
-    return isinstance(guard, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge)) and (
-        (guard.lhs.is_Symbol and guard.rhs.is_Integer) or (guard.lhs.is_Integer and guard.rhs.is_Symbol))
-
-
-_RELATIONS = ((sympy.Eq, "=="), (sympy.Ne, "!="), (sympy.Lt, "<"), (sympy.Le, "<="), (sympy.Gt, ">"), (sympy.Ge, ">="))
-
-
-def _spell_bool(guard: sympy.Basic, names: dict[sympy.Symbol, str]) -> str:
-    """Python source for a guard over the call's sizes (``names``: where the call shows each)."""
-    if guard is sympy.true:
-        return "True"
-    if isinstance(guard, (sympy.And, sympy.Or)):
-        joiner = " and " if isinstance(guard, sympy.And) else " or "
-        return "(" + joiner.join(_spell_bool(a, names) for a in guard.args) + ")"
-    if isinstance(guard, sympy.Not):
-        return f"(not {_spell_bool(guard.args[0], names)})"
-    for relation, op in _RELATIONS:
-        if isinstance(guard, relation):
-            return f"({python_expr(guard.lhs, names)} {op} {python_expr(guard.rhs, names)})"
-    raise NotImplementedError(f"no Python spelling for {guard}")
-
-
 def _global_state(module: Any) -> tuple:
     """What Dynamo guards globally and a call can change: grad mode, autocast (CPU and CUDA),
     the module's training flag."""
     return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
             getattr(module, "training", None))
-
-
-def _follow(named: dict[str, Any], place: tuple) -> Any:
-    value = named[place[0]]
-    for kind, key in place[1]:
-        value = getattr(value, key) if kind == "attr" else value[key]
-    return value
-
-
-def _spell_place(place: tuple) -> str:
-    return place[0] + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in place[1])
 
 
 def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Callable[..., Any],

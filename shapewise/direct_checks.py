@@ -18,9 +18,11 @@ import enum
 import operator
 from typing import Any
 
+import sympy
 import torch
 
 from shapewise import _compat
+from shapewise.dispatch.guards import python_expr
 
 __all__ = ["CONSTANT_TYPES", "before_value", "check_object", "distinct", "pattern", "seen", "tensor_meta"]
 
@@ -156,3 +158,48 @@ def distinct(objects: dict[tuple, Any], spelled: dict[tuple, str]) -> list[str]:
         firsts = ", ".join(f"id({same[0]})" for same in groups.values())
         lines.append(f"if len({{{firsts}}}) != {len(groups)}: return MISS")
     return lines
+
+
+def interior_guards(runnable: Any) -> list[sympy.Basic]:
+    """The trace's guards on its sizes that a range's ends do not decide for the sizes inside it
+    (``Eq(Mod(s0, 2), 0)``, ``Ne(s0, 5)``; not a bound ``s0 >= 2``), where the trace has ranges:
+    a single size's guards were checked when it was compiled, a range's only at its ends."""
+    program = getattr(runnable, "program", None)
+    if program is None or all(b.is_static for b in program.bindings):
+        return []
+    return [g for g, _ in program.shapes.guards if g.free_symbols and not _is_bound(g)]
+
+
+def _is_bound(guard: sympy.Basic) -> bool:
+    """``s0 >= 2`` and the like: one size against a number."""
+    return isinstance(guard, (sympy.Lt, sympy.Le, sympy.Gt, sympy.Ge)) and (
+        (guard.lhs.is_Symbol and guard.rhs.is_Integer) or (guard.lhs.is_Integer and guard.rhs.is_Symbol))
+
+
+_RELATIONS = ((sympy.Eq, "=="), (sympy.Ne, "!="), (sympy.Lt, "<"), (sympy.Le, "<="), (sympy.Gt, ">"), (sympy.Ge, ">="))
+
+
+def spell_bool(guard: sympy.Basic, names: dict[sympy.Symbol, str]) -> str:
+    """Python source for a guard over the call's sizes (``names``: where the call shows each)."""
+    if guard is sympy.true:
+        return "True"
+    if isinstance(guard, (sympy.And, sympy.Or)):
+        joiner = " and " if isinstance(guard, sympy.And) else " or "
+        return "(" + joiner.join(spell_bool(a, names) for a in guard.args) + ")"
+    if isinstance(guard, sympy.Not):
+        return f"(not {spell_bool(guard.args[0], names)})"
+    for relation, op in _RELATIONS:
+        if isinstance(guard, relation):
+            return f"({python_expr(guard.lhs, names)} {op} {python_expr(guard.rhs, names)})"
+    raise NotImplementedError(f"no Python spelling for {guard}")
+
+
+def follow(named: dict[str, Any], place: tuple) -> Any:
+    value = named[place[0]]
+    for kind, key in place[1]:
+        value = getattr(value, key) if kind == "attr" else value[key]
+    return value
+
+
+def spell_place(place: tuple) -> str:
+    return place[0] + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in place[1])
