@@ -252,6 +252,16 @@ def architectures() -> list[str]:
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _commit() -> str:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("archs", nargs="*", help="model types (default: every causal-LM architecture)")
@@ -260,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--mem-gb", type=float, default=8)
     ap.add_argument("--parts", default="forward,generate")
+    ap.add_argument("--update", action="store_true",
+                    help="with --out: replace only the rows of the architectures run, keep the others")
     args = ap.parse_args(argv)
     archs = args.archs or architectures()
     parts = tuple(args.parts.split(","))
@@ -269,20 +281,29 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
     from concurrent.futures import ThreadPoolExecutor
 
+    commit = _commit()
+
     with ThreadPoolExecutor(args.jobs) as pool:
         for row in pool.map(lambda a: run_one(a, parts, args.timeout, args.mem_gb), archs):
+            row["commit"] = commit
             rows.append(row)
             print(f"{row['arch']:<28} forward={row['forward']:<11} generate={row['generate']:<11} "
                   f"traces={row.get('traces')!s:<4} {row['seconds']:>6.1f}s  {row.get('error') or ''}", flush=True)
+    print(summary(rows).split("\n\n")[0])
+    if args.out and args.update and (args.out / "sweep.jsonl").exists():
+        new = {r["arch"]: r for r in rows}
+        old = [json.loads(line) for line in (args.out / "sweep.jsonl").read_text().splitlines() if line.strip()]
+        rows = [new.pop(r["arch"], r) for r in old] + list(new.values())
     text = summary(rows)
-    print(text.split("\n\n")[0])
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "sweep.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         import torch
 
+        commits = sorted({r.get("commit") or "?" for r in rows})
         head = (f"# Architecture sweep\n\ntransformers {transformers.__version__}, torch {torch.__version__}, "
-                f"CPU, fp32, aot_eager; `python benchmarks/sweep_architectures.py --out {args.out}`\n\n")
+                f"CPU, fp32, aot_eager; `python benchmarks/sweep_architectures.py --out {args.out}`; each row was "
+                f"run at the commit in its `commit` field of sweep.jsonl (here: {', '.join(commits)})\n\n")
         (args.out / "summary.md").write_text(head + text)
 
 

@@ -38,6 +38,7 @@ __all__ = ["compile_generate"]
 
 _OWN = ("sizes", "ranges", "dynamic_dims")
 _COUNTERS = ("cumulative_length", "cumulative_length_int")
+_ALONG_DIM_1 = ("indexer_keys",)  # cache tensors whose token dim is 1
 
 
 def _uses_cache(model: torch.nn.Module) -> bool:
@@ -82,7 +83,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     if cache_arg is not None:
         # The token counts sliding-window layers keep as Python ints (a dynamic cache's
         # ``cumulative_length``, a static one's ``cumulative_length_int``): sizes, not constants.
-        dims[cache_arg] = {**({2: "kv"} if grows else {}), **dict.fromkeys(_COUNTERS, "pos")}
+        # A sparse-attention (DSA) layer's indexer keys, [batch, tokens, head dim], grow along dim 1.
+        dims[cache_arg] = {**({2: "kv", **{a: {1: "kv"} for a in _ALONG_DIM_1}} if grows else {}),
+                           **dict.fromkeys(_COUNTERS, "pos")}
     if "attention_mask" in params:
         # [batch, tokens so far] (2-d), or [batch, 1, new tokens, kv length] (4-d: a static cache's, at its length)
         dims["attention_mask"] = {-1: "ctx"}

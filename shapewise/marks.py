@@ -4,7 +4,7 @@ object such as a KV cache) and the int attributes an object argument holds (``in
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -12,54 +12,78 @@ import torch
 from shapewise.backend import DEFAULT_DIM_NAME
 from shapewise.errors import ConfigError
 
-__all__ = ["dims_spec", "int_paths", "tensors_of"]
+__all__ = ["dims_spec", "held_tensors", "int_paths", "members", "tensors_of"]
 
 
-def tensors_of(value: Any, deep: bool = False) -> list[torch.Tensor]:
-    """A tensor argument, or the tensors of a tuple/list argument (one level). ``deep``: also
-    the tensors held by an object argument, through its attributes, lists and dicts (a
-    transformers ``DynamicCache``: ``cache.layers[i].keys`` / ``.values``), in attribute order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)) and not deep:
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    if not deep:
-        return []
-    out: list[torch.Tensor] = []
+def members(value: Any, attrs: Collection[str] = ()) -> Iterator[tuple[str, str | None, Any]]:
+    """The tensors an object argument holds, through its attributes, lists and dicts (a
+    transformers ``DynamicCache``: ``cache.layers[i].keys`` / ``.values``), in attribute order, and
+    its int attributes named ``attrs``: (path in Dynamo's spelling after the argument, the
+    attribute the leaf is held at, the tensor or int)."""
     seen: set[int] = set()
 
-    def walk(v: Any, depth: int) -> None:
+    def walk(v: Any, path: str, attr: str | None, depth: int) -> Iterator[tuple[str, str | None, Any]]:
         if isinstance(v, torch.Tensor):
-            out.append(v)
+            yield path, attr, v
             return
         if depth > 4 or id(v) in seen or v is None or isinstance(v, (bool, int, float, str, torch.device,
                                                                       torch.dtype, torch.nn.Module)):
             return
         seen.add(id(v))
         if isinstance(v, (tuple, list)):
-            items = list(v)
+            for i, item in enumerate(v):
+                yield from walk(item, f"{path}[{i}]", attr, depth + 1)
         elif isinstance(v, Mapping):
-            items = list(v.values())
+            for k, item in v.items():
+                if isinstance(k, str):
+                    yield from walk(item, f"{path}[{k!r}]", attr, depth + 1)
         else:
-            items = list(getattr(v, "__dict__", {}).values())
-        for item in items:
-            walk(item, depth + 1)
+            for k, item in getattr(v, "__dict__", {}).items():
+                if k in attrs and type(item) is int:
+                    yield f"{path}.{k}", k, item
+                else:
+                    yield from walk(item, f"{path}.{k}", k, depth + 1)
 
-    walk(value, 0)
-    return out
+    yield from walk(value, "", None, 0)
 
 
-def dims_spec(spec: Any, arg: str) -> dict[int | str, str]:
+def tensors_of(value: Any, deep: bool = False) -> list[torch.Tensor]:
+    """A tensor argument, or the tensors of a tuple/list argument (one level). ``deep``: also
+    the tensors held by an object argument (``members``)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and not deep:
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    if not deep:
+        return []
+    return [t for _, _, t in members(value)]
+
+
+def held_tensors(value: Any) -> list[tuple[torch.Tensor, str | None]]:
+    """The tensors an object argument holds, each with the attribute it is held at."""
+    return [(t, attr) for _, attr, t in members(value) if isinstance(t, torch.Tensor)]
+
+
+def dims_spec(spec: Any, arg: str) -> dict[int | str, Any]:
     """``1`` / ``[0, 1]`` / ``{0: "batch", 1: "seq"}`` → {dim: name}. In the dict form a string key
-    names an int attribute of an object argument (``{2: "kv", "cumulative_length": "pos"}``: a KV
-    cache's tensors' dim 2, and the token counters its layers keep as Python ints)."""
+    names an attribute inside an object argument: an int one, traced as a size, by a name
+    (``{2: "kv", "cumulative_length": "pos"}``: a KV cache's tensors' dim 2, and the token counters
+    its layers keep as Python ints), or the tensors held at it, by their own dims, in place of
+    the argument's (``"indexer_keys": {1: "kv"}``: a sparse-attention indexer's keys grow along
+    dim 1)."""
     if isinstance(spec, bool):
         raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
     if isinstance(spec, int):
         return {spec: DEFAULT_DIM_NAME}
     if isinstance(spec, Mapping):
-        out: dict[int | str, str] = {}
+        out: dict[int | str, Any] = {}
         for d, name in spec.items():
+            if isinstance(d, str) and d.isidentifier() and not isinstance(name, str):
+                out[d] = dims_spec(name, f"{arg}.{d}")  # the dims of the tensors held at that attribute
+                if any(isinstance(k, str) for k in out[d]):
+                    raise ConfigError(f"dynamic_dims[{arg!r}][{d!r}] gives the dims of the tensors held at {d!r}; "
+                                      f"it cannot name attributes itself, got {name!r}")
+                continue
             if not (isinstance(d, int) and not isinstance(d, bool) or isinstance(d, str) and d.isidentifier()) or \
                     not isinstance(name, str) or not name:
                 raise ConfigError(f"dynamic_dims[{arg!r}] maps dims (ints) or int attributes of an object argument "
@@ -74,28 +98,4 @@ def dims_spec(spec: Any, arg: str) -> dict[int | str, str]:
 def int_paths(value: Any, attrs: Collection[str]) -> list[tuple[str, int]]:
     """The int attributes named ``attrs`` inside an object argument, as (path in Dynamo's spelling
     after the argument, value): ``[(".layers[0].cumulative_length", 12), ...]``."""
-    out: list[tuple[str, int]] = []
-    seen: set[int] = set()
-
-    def walk(v: Any, path: str, depth: int) -> None:
-        if depth > 4 or id(v) in seen or v is None or isinstance(v, (bool, int, float, str, torch.Tensor,
-                                                                      torch.device, torch.dtype, torch.nn.Module)):
-            return
-        seen.add(id(v))
-        if isinstance(v, (tuple, list)):
-            for i, item in enumerate(v):
-                walk(item, f"{path}[{i}]", depth + 1)
-            return
-        if isinstance(v, Mapping):
-            for k, item in v.items():
-                if isinstance(k, str):
-                    walk(item, f"{path}[{k!r}]", depth + 1)
-            return
-        for k, item in getattr(v, "__dict__", {}).items():
-            if k in attrs and type(item) is int:
-                out.append((f"{path}.{k}", item))
-            else:
-                walk(item, f"{path}.{k}", depth + 1)
-
-    walk(value, "", 0)
-    return out
+    return [(path, v) for path, _, v in members(value, attrs) if not isinstance(v, torch.Tensor)]

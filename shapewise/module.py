@@ -20,7 +20,7 @@ from shapewise.direct import MISS, DirectCalls, bound_module, build_direct_call,
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
-from shapewise.marks import dims_spec, int_paths, tensors_of
+from shapewise.marks import dims_spec, held_tensors, int_paths, tensors_of
 
 __all__ = ["NoDynamicSizes", "ShapewiseModule", "compile"]
 
@@ -68,6 +68,8 @@ class ShapewiseModule:
         self._dims: dict[str, dict[int, str]] | None = None
         # Per object argument: its int attributes traced as sizes ({"cumulative_length": "pos"}).
         self._int_attrs: dict[str, dict[str, str]] = {}
+        # Per object argument: the dims of the tensors held at an attribute, in place of its own.
+        self._tensor_attrs: dict[str, dict[str, dict[int, str]]] = {}
         if dynamic_dims is not None:
             self._dims = {}
             for arg, spec in dynamic_dims.items():
@@ -76,11 +78,13 @@ class ShapewiseModule:
                                       f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
                 full = dims_spec(spec, arg)
                 self._dims[arg] = {d: n for d, n in full.items() if isinstance(d, int)}
-                if any(isinstance(d, str) for d in full):
-                    self._int_attrs[arg] = {d: n for d, n in full.items() if isinstance(d, str)}
+                if any(isinstance(d, str) and isinstance(n, str) for d, n in full.items()):
+                    self._int_attrs[arg] = {d: n for d, n in full.items() if isinstance(d, str) and isinstance(n, str)}
+                if any(isinstance(d, str) and not isinstance(n, str) for d, n in full.items()):
+                    self._tensor_attrs[arg] = {d: n for d, n in full.items() if isinstance(d, str)
+                                               and not isinstance(n, str)}
         # Sizes and ranges before any trace (a typo should not cost a trace to find out).
-        check_sizes(sizes, ranges, names={n for spec in [*(self._dims or {"": {0: DEFAULT_DIM_NAME}}).values(),
-                                                         *self._int_attrs.values()] for n in spec.values()})
+        check_sizes(sizes, ranges, names=self._declared_names())
         self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,
                              **pipeline_options)
         build_pipeline(**self._options)  # validates op names, backend, options before any trace
@@ -102,6 +106,17 @@ class ShapewiseModule:
         # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed them.
         self._directs = DirectCalls(bool(direct_call))
 
+    def _declared_names(self) -> set[str]:
+        """Every dim name ``dynamic_dims`` declares (the default's ``n`` without one)."""
+        specs = [*(self._dims or {"": {0: DEFAULT_DIM_NAME}}).values(), *self._int_attrs.values(),
+                 *(d for attrs in self._tensor_attrs.values() for d in attrs.values())]
+        return {n for spec in specs for n in spec.values()}
+
+    def _dims_at(self, arg: str, attr: str | None) -> dict[int, str]:
+        """The marked dims of a tensor of ``arg`` held at attribute ``attr`` (None: the argument itself)."""
+        return self._tensor_attrs.get(arg, {}).get(attr, self._arg_dims.get(arg, {})) if attr else \
+            self._arg_dims.get(arg, {})
+
     # -- tracing -------------------------------------------------------------------------
     def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
         """Mark this call's dynamic dims dynamic, but the ``fixed`` names (Dynamo specialises
@@ -117,13 +132,14 @@ class ShapewiseModule:
         for arg, spec in dims.items():
             value = bound.arguments[arg]
             deep = not isinstance(value, (torch.Tensor, tuple, list, int, float, complex, str))  # a KV cache
-            tensors = tensors_of(value, deep)
+            held = held_tensors(value) if deep else [(t, None) for t in tensors_of(value)]
+            tensors = [t for t, _ in held]
             if not tensors and not deep:
                 raise ConfigError(f"dynamic_dims names {arg!r}, but it is a {type(value).__name__} "
                                   "with no tensor in it (a tensor, a tuple/list of tensors or an object holding "
                                   "tensors, such as a KV cache, can vary)")
-            for t in tensors:  # a tuple/list/object argument: the dim of each of its tensors
-                for d, name in spec.items():
+            for t, attr in held:  # a tuple/list/object argument: the dim of each of its tensors
+                for d, name in self._tensor_attrs.get(arg, {}).get(attr, spec).items():
                     if not -t.dim() <= d < t.dim():
                         if self._dims is None or deep:  # an object's other tensors (an empty cache's)
                             continue
@@ -209,7 +225,8 @@ class ShapewiseModule:
                 if isinstance(e, sympy.Symbol):
                     names.setdefault(e, self._int_attrs[arg][attr])
             if arg in self._arg_dims and isinstance(value, torch.Tensor):
-                for d, name in self._arg_dims[arg].items():
+                held_at = _compat.held_at(source) if arg in self._tensor_attrs else None
+                for d, name in self._dims_at(arg, held_at).items():
                     if not -value.dim() <= d < value.dim():
                         continue
                     e = _compat.sym_expr(value.shape[d])
@@ -235,7 +252,7 @@ class ShapewiseModule:
         # A named dim with no symbol of its own in this trace (absent from the call, or Dynamo
         # proved it equal to another, as a mask's length to the tokens' at prefill) follows the
         # others: every size of it agrees with this trace.
-        declared = {n for spec in [*(self._dims or {}).values(), *self._int_attrs.values()] for n in spec.values()}
+        declared = self._declared_names() if self._dims is not None else set()
         fixed.update({n: None for n in sorted(declared - set(names.values()) - set(fixed))})
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
                                                           "on_miss": self._on_miss, "fixed": fixed,

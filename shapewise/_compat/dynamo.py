@@ -15,7 +15,7 @@ from shapewise._compat.shapes import sym_expr
 __all__ = [
     "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "copy_graph_module",
     "dynamic_int_sources", "dynamo_unique_graphs", "has_static_address", "is_graph_break",
-    "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "member_name",
+    "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "held_at", "member_name",
     "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world",
     "scalars_passed_as_tensors", "size_source", "source_name", "specialise_scalar_inputs", "storage_key",
     "STORED_TENSOR", "StoredSize", "NOT_SET", "trace_side_effects", "unmark_dynamic",
@@ -55,6 +55,16 @@ def member_name(source) -> str | None:
     ``cumulative_length``), else None."""
     from torch._dynamo.source import AttrSource
 
+    return source.member if isinstance(source, AttrSource) else None
+
+
+def held_at(source) -> str | None:
+    """The attribute a source's value is held at, through list and dict items
+    (``...layers[0].conv_states[1]`` → ``conv_states``), else None."""
+    from torch._dynamo.source import AttrSource, DictGetItemSource, GetItemSource
+
+    while isinstance(source, (GetItemSource, DictGetItemSource)):
+        source = source.base
     return source.member if isinstance(source, AttrSource) else None
 
 

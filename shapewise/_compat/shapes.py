@@ -4,6 +4,7 @@ symbolic inputs for range compiles and checking what a compile assumed."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -17,8 +18,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "is_traceable_wrapper_subclass", "subclass_inner",
-    "compute_required_storage_length",
-    "evaluate_at", "fake_mode_active", "fresh_tracing_context", "make_symint", "no_zero_one_specialisation",
+    "compute_required_storage_length", "data_env_mode", "has_traced_unbacked", "refake", "skip_unbacked_names",
+    "evaluate_at", "fake_mode_active", "made_for", "range_guard_failures", "serving_run",
+    "fresh_tracing_context", "make_symint", "no_zero_one_specialisation",
     "node_value", "range_guard_violations", "shape_env_of", "storage_length", "sym_expr", "symbol_hints",
     "symbolic_env", "trace_guards", "value_range",
 ]
@@ -157,9 +159,55 @@ def fresh_tracing_context(fake_mode: FakeTensorMode | None = None) -> Iterator[N
         yield
 
 
-def symbolic_env(symbols: dict[sympy.Symbol, tuple[int, int, int]]):
+def data_env_mode() -> FakeTensorMode:
+    """A FakeTensorMode with a ShapeEnv of its own, for a static compile of a graph that reads a
+    tensor's value (``.item()``: the compile makes an unbacked size, which needs a ShapeEnv)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return FakeTensorMode(shape_env=ShapeEnv())
+
+
+def refake(args: Sequence[Any], mode: FakeTensorMode) -> list[Any]:
+    """Fake tensors in ``mode`` with the shapes, strides, offsets and dtypes of (concrete) ``args``."""
+    out: list[Any] = []
+    with mode:
+        for a in args:
+            if isinstance(a, torch.Tensor) and not is_traceable_wrapper_subclass(a):
+                length = compute_required_storage_length(a.shape, a.stride(), a.storage_offset())
+                t = torch.empty(length, dtype=a.dtype, device=a.device).as_strided(a.shape, a.stride(),
+                                                                                  a.storage_offset())
+                out.append(t.requires_grad_(a.requires_grad) if a.requires_grad else t)
+            else:
+                out.append(a)
+    return out
+
+
+def has_traced_unbacked(gm: torch.fx.GraphModule) -> bool:
+    """Whether a node of ``gm`` binds an unbacked size of its trace (``.item()``, ``nonzero``)."""
+    return any(node.meta.get("unbacked_bindings") for node in gm.graph.nodes)
+
+
+def skip_unbacked_names(mode: FakeTensorMode | None, gm: torch.fx.GraphModule) -> None:
+    """Make ``mode``'s ShapeEnv name its unbacked sizes past the ones ``gm``'s trace made: a compile
+    rebinds each traced ``u0`` to the one it makes, and the same name for both is refused
+    ("u0 possible memo disaster")."""
+    env = getattr(mode, "shape_env", None)
+    if env is None or not isinstance(getattr(env, "unbacked_symint_counter", None), int):
+        return
+    used = -1
+    for node in gm.graph.nodes:
+        for sym in (node.meta.get("unbacked_bindings") or {}):
+            name = str(sym)
+            if name.startswith("u") and name[1:].isdigit():
+                used = max(used, int(name[1:]))
+    env.unbacked_symint_counter = max(env.unbacked_symint_counter, used + 1)
+
+
+def symbolic_env(symbols: dict[sympy.Symbol, tuple[int, int, int]], assumptions: Sequence[Any] = ()):
     """A fresh ShapeEnv + FakeTensorMode with one backed symbol per entry of
-    ``{old symbol: (low, high, hint)}``; returns (mode, {old symbol: new sympy symbol})."""
+    ``{old symbol: (low, high, hint)}``; returns (mode, {old symbol: new sympy symbol}).
+    ``assumptions``: the trace's guards over the old symbols; ``range_guard_violations`` does not
+    count a point where one fails (no call there reaches this compile: the trace refuses it)."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
@@ -174,10 +222,21 @@ def symbolic_env(symbols: dict[sympy.Symbol, tuple[int, int, int]]):
     # The ranges as made: a guard that specialises a symbol narrows var_to_range to the
     # hint, so a later check must compare against these, not the env's current ranges.
     _MADE_RANGES[env] = {e: (lo, hi) for (lo, hi, _), e in zip(symbols.values(), new.values())}
+    subs = {old: e for old, e in new.items()}
+    mapped = [sympy.sympify(g).xreplace(subs) for g in assumptions]
+    _ASSUMED[env] = [g for g in mapped if g.free_symbols and g.free_symbols <= _MADE_RANGES[env].keys()]
     return mode, new
 
 
 _MADE_RANGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ASSUMED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _decided(expr: sympy.Expr, values: Mapping[sympy.Symbol, int]) -> bool | None:
+    try:
+        return bool(expr.xreplace({k: sympy.Integer(v) for k, v in values.items()}))
+    except TypeError:
+        return None
 
 
 def evaluate_at(value: Any, values: Mapping[sympy.Symbol, int]) -> int:
@@ -202,14 +261,23 @@ def make_symint(mode: FakeTensorMode, expr: sympy.Expr, hint: int) -> Any:
     return mode.shape_env.create_symintnode(expr, hint=hint)
 
 
+_MOST_GUARD_SYMBOLS = 4  # 6**4 points; a guard over more sizes is left to the per-call guards
+
+
 def range_guard_violations(mode: FakeTensorMode) -> list[str]:
     """Guards a compile added to ``mode``'s ShapeEnv that do not hold at every corner of
     the symbols' ranges (e.g. a compile that specialised a ranged size to its hint)."""
+    return [f"{g} fails at {c}" if c else f"{g}" for g, c in range_guard_failures(mode)]
+
+
+def range_guard_failures(mode: FakeTensorMode) -> list[tuple[sympy.Expr, dict[sympy.Symbol, int]]]:
+    """``range_guard_violations`` as (guard, a point where it fails); a symbol the compile fixed
+    to a value is ``(Eq(symbol, value), {})``."""
     env = mode.shape_env
     if env is None:
         return []
     made = _MADE_RANGES.get(env, {})
-    corners: list[dict[sympy.Symbol, int]] = [{}]
+    points: dict[sympy.Symbol, list[int]] = {}
     # Only the symbols the range was made of: a compile's own symbols (a view's -1, an
     # unbacked size) have no corners, and a guard over them cannot be decided here.
     # Besides the ends, the sizes next to them and to the middle: a guard with a floor or a
@@ -221,18 +289,75 @@ def range_guard_violations(mode: FakeTensorMode) -> list[str]:
         if len(ends) == 2:
             mid = (ends[0] + ends[1]) // 2
             vals |= {v for v in (ends[0] + 1, ends[1] - 1, mid, mid + 1) if ends[0] <= v <= ends[1]}
-        corners = [{**c, sym: v} for c in corners for v in sorted(vals)] or corners
-    bad = [f"{sym} was fixed to {value}" for sym, value in env.replacements.items()
-           if sym in made and sympy.sympify(value).is_number]
+        if vals:
+            points[sym] = sorted(vals)
+    bad: list[tuple[sympy.Expr, dict[sympy.Symbol, int]]] = [
+        (sympy.Eq(sym, value), {}) for sym, value in env.replacements.items()
+        if sym in made and sympy.sympify(value).is_number]
     for g in env.guards:
         if made and not g.expr.free_symbols <= made.keys():
             continue
-        for c in corners:
-            try:
-                ok = bool(g.expr.xreplace({k: sympy.Integer(v) for k, v in c.items()}))
-            except TypeError:
+        # Each guard at the points of its own symbols (6**k for k of them), not of all the
+        # range's symbols: a cache's dozens of sizes make the full box uncountable.
+        syms = sorted((s for s in g.expr.free_symbols if s in points), key=str)
+        if len(syms) > _MOST_GUARD_SYMBOLS:
+            continue
+        # Only points the trace itself can be called at: its guards over these sizes hold
+        # (decode's kv and pos ranges are one box, but a call has kv == pos + 1).
+        assumed = [a for a in _ASSUMED.get(env, ()) if a.free_symbols <= set(syms)]
+        for combo in itertools.product(*(points[s] for s in syms)):
+            c = dict(zip(syms, combo))
+            if any(_decided(a, c) is False for a in assumed):
                 continue
-            if not ok:
-                bad.append(f"{g.expr} fails at {c}")
+            if _decided(g.expr, c) is False:
+                bad.append((g.expr, c))
                 break
     return bad
+
+
+def made_for(mode: FakeTensorMode) -> dict[sympy.Symbol, str]:
+    """{a ``symbolic_env`` symbol: the name of the trace's symbol it was made for}."""
+    env = mode.shape_env
+    out = {}
+    for sym in _MADE_RANGES.get(env, {}):
+        name = next((src.name for src in env.var_to_sources.get(sym, []) if src.name.startswith("shapewise_")), None)
+        if name is not None:
+            out[sym] = name.removeprefix("shapewise_")
+    return out
+
+
+_MOST_PART_POINTS = 1 << 14  # a range split into parts is scanned size by size, up to this many
+
+
+def serving_run(mode: FakeTensorMode, failures: Sequence[tuple[sympy.Expr, Mapping[sympy.Symbol, int]]]
+                ) -> tuple[str, int, int] | None:
+    """Where a range compile that broke ``failures`` is still right, when all of them are over one
+    symbol of the range: (the trace's symbol it was made for, low, high), the sizes around the
+    compile's hint at which every guard the compile added over that symbol holds. None when the
+    failures span several symbols, or the range is too long to scan."""
+    env = mode.shape_env
+    made = _MADE_RANGES.get(env, {})
+    syms = set().union(*(g.free_symbols for g, _ in failures)) if failures else set()
+    if len(syms) != 1 or not syms <= made.keys():
+        return None
+    (sym,) = syms
+    lo, hi = made[sym]
+    hint = symbol_hints(env).get(sym)
+    if hint is None or hi - lo + 1 > _MOST_PART_POINTS:
+        return None
+    guards = [g.expr for g in env.guards if g.expr.free_symbols == {sym}]
+    guards += [sympy.Eq(sym, v) for s, v in env.replacements.items() if s == sym and sympy.sympify(v).is_number]
+
+    def holds(v: int) -> bool:
+        return all(_decided(g, {sym: v}) is not False for g in guards)
+
+    h = int(hint)
+    if not holds(h):
+        return None
+    a = b = h
+    while a > lo and holds(a - 1):
+        a -= 1
+    while b < hi and holds(b + 1):
+        b += 1
+    name = made_for(mode).get(sym)
+    return (name, a, b) if name is not None else None

@@ -19,7 +19,7 @@ from shapewise.ir.program import Binding, ShapeInfo, TensorMeta
 from shapewise.ir.symbolic import INT_MAX, range_text
 
 __all__ = ['check_binding', 'check_sizes', 'clip_binding', 'make_bindings', 'primary_symbols', 'refusal',
-           'resolve_names']
+           'resolve_names', 'serves_neither_end']
 
 log = logging.getLogger("shapewise")
 
@@ -397,6 +397,9 @@ def _holds(guard: Any, values: Mapping[sympy.Symbol, int]) -> bool | None:
 
 
 
+_MOST_CORNER_SYMBOLS = 10  # a guard over more ranged symbols than this is not checked at its corners
+
+
 def check_binding(shapes: ShapeInfo, binding: Binding, single_symbol: bool = False) -> None:
     """Refuse a binding that contradicts the trace's guards or proven value ranges. A range is
     checked at its ends (the sizes it names), so ``(1, 8)`` under a guard ``n != 1`` fails here,
@@ -414,10 +417,14 @@ def check_binding(shapes: ShapeInfo, binding: Binding, single_symbol: bool = Fal
                 f"the trace allows for it {range_text(lo, hi)}"
             )
     guards = [sympy.sympify(g) for g, _ in shapes.guards]
-    points = [binding.static_values()] if binding.is_static else binding.corners()
+    bound = dict(binding.items)
     for (guard, where), g in zip(shapes.guards, guards):
         if single_symbol and len(g.free_symbols) > 1:
             continue  # a range's corners pair sizes that never come together (seq=11 with ctx=2)
+        ranged = [s for s in g.free_symbols if not isinstance(bound.get(s, 0), int)]
+        if len(ranged) > _MOST_CORNER_SYMBOLS:
+            continue  # 2**k corners: left to the per-call guards (Dynamo's, or a direct call's)
+        points = [binding.static_values()] if binding.is_static else binding.corners(over=g.free_symbols)
         for values in points:
             if _holds(g, values) is not False:
                 continue
@@ -427,11 +434,26 @@ def check_binding(shapes: ShapeInfo, binding: Binding, single_symbol: bool = Fal
                     f"size {binding.describe(shapes.names)} contradicts the trace's guard "
                     f"`{_guard_text(shapes, guard)}`{where_text}; choose sizes that satisfy it"
                 )
-            at = Binding(tuple((s, values[s]) for s, _ in binding.items)).describe(shapes.names)
+            at = Binding(tuple((s, values.get(s, v)) for s, v in binding.items)).describe(shapes.names)
             raise GuardViolation(
                 f"range {binding.describe(shapes.names)} ends at the size {at}, which contradicts the trace's guard "
                 f"`{_guard_text(shapes, guard)}`{where_text}; give a range whose ends satisfy it"
             )
+
+
+def serves_neither_end(shapes: ShapeInfo, binding: Binding) -> bool:
+    """Whether some ranged symbol of ``binding`` fails a guard over it alone at both its ends:
+    the range lies past a branch of the model's Python this trace took (it is another trace's
+    to serve), rather than reaching past its edge."""
+    single = [sympy.sympify(g) for g, _ in shapes.guards]
+    single = [g for g in single if len(g.free_symbols) == 1]
+    for s, v in binding.items:
+        if isinstance(v, int):
+            continue
+        mine = [g for g in single if g.free_symbols == {s}]
+        if mine and all(any(_holds(g, {s: end}) is False for g in mine) for end in v):
+            return True
+    return False
 
 
 def clip_binding(shapes: ShapeInfo, binding: Binding) -> Binding | None:

@@ -18,6 +18,7 @@ from shapewise.concretize.bindings import (
     check_sizes,
     clip_binding,
     make_bindings,
+    serves_neither_end,
 )
 from shapewise.concretize.examples import example_args
 from shapewise.concretize.observe import observed_inputs, observed_range_inputs
@@ -40,7 +41,8 @@ class Concretize(Pass):
     a call at that size traces again) and a range is cut to the part the trace's proven ranges
     allow (``clip_binding``: a range across a branch of the model's Python, ``n < window``; left
     out when nothing is left). A range whose ends contradict another guard (``n % 2 == 0``) is
-    still refused with ``"skip-sizes"``; with ``"skip"`` it is kept, its guards checked per call
+    still refused with ``"skip-sizes"`` if the trace serves one of its ends (the
+    range was given wrong), else left to another trace; with ``"skip"`` it is kept, its guards checked per call
     (Dynamo's, or a direct call's checks of a range's interior). ``sw.compile`` uses
     "skip-sizes" for its first trace and "skip" for later ones; the torch.compile backend entry
     "skip".
@@ -92,6 +94,12 @@ class Concretize(Pass):
             try:
                 check_binding(shapes, b, single_symbol=self.refused != "error" and not b.is_static)
             except GuardViolation as e:
+                if self.refused == "skip-sizes" and not b.is_static and serves_neither_end(shapes, b):
+                    # Both ends fail a guard over their size (deepseek_v4 chunks by 4: a trace at 4
+                    # serves 4..7): the range is another branch's, and a call in it traces again.
+                    log.info("shapewise: this trace serves neither end of %s (%s); a call in it traces again",
+                             b.describe(shapes.names), e)
+                    continue
                 if self.refused == "error" or (self.refused == "skip-sizes" and not b.is_static):
                     raise
                 if not b.is_static:

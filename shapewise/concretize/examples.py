@@ -15,7 +15,7 @@ from shapewise.errors import BindingError
 from shapewise.ir.program import Binding, Piece, TensorMeta
 from shapewise.ir.symbolic import INT_MAX, evaluate, range_hint
 
-__all__ = ['example_args', 'fake_at']
+__all__ = ['example_args', 'fake_at', 'narrowed_example_args']
 
 def _fake(meta: TensorMeta, mode: FakeTensorMode, conv: Callable[[Any], Any], symbolic: bool,
           shape: list[Any], stride: list[Any], offset: Any) -> torch.Tensor:
@@ -101,19 +101,52 @@ def example_args(piece: Piece, binding: Binding, mode: FakeTensorMode | None = N
     if binding.is_static and not free:
         values = binding.static_values()
         return _materialise(piece, mode or FakeTensorMode(), values, values, symbolic=False, observed=observed)
-    mode, new, exprs, values = _range_env(binding, piece.shapes.hints, free)
+    mode, new, exprs, values = _range_env(binding, piece.shapes.hints, free, piece.shapes.guards)
     return _materialise(piece, mode, exprs, values, symbolic=True, observed=observed)
 
 
-def _range_env(binding: Binding, hints: Mapping[sympy.Symbol, int], free: Sequence[sympy.Symbol] = ()):
+def narrowed_example_args(piece: Piece, args: Sequence[Any], binding: Binding) -> tuple[Any, ...]:
+    """Example inputs for ``binding``, a part of the range of the variant whose example inputs
+    are ``args``, laid out as those are (their strides and offsets over that variant's symbols,
+    evaluated in the part: what the pieces around it were compiled to make)."""
+    env = _compat.shape_env_of(args)
+    mode = _compat.FakeTensorMode(shape_env=env) if env is not None else None
+    by_name = {str(s): s for s in piece.shapes.symbols}
+    back = {new: by_name[old] for new, old in (_compat.made_for(mode) if mode is not None else {}).items()
+            if old in by_name}
+    values = {**binding.static_values()}
+
+    def over_trace(e: Any) -> sympy.Expr:
+        return sympy.sympify(_compat.sym_expr(e)).xreplace(back)
+
+    observed: list[Any] = []
+    for a in args:
+        if not isinstance(a, torch.Tensor) or _compat.is_traceable_wrapper_subclass(a):
+            observed.append(None)
+            continue
+        stride, offset = [over_trace(d) for d in a.stride()], over_trace(a.storage_offset())
+        if binding.is_static:
+            shape = [evaluate(over_trace(d), values) for d in a.shape]
+            st, off = [evaluate(d, values) for d in stride], evaluate(offset, values)
+            observed.append(torch.empty(storage_length(shape, st, off), dtype=a.dtype, device="meta")
+                            .as_strided(shape, st, off))
+        else:
+            observed.append((tuple(stride), offset))
+    return example_args(piece, binding, observed=observed)
+
+
+def _range_env(binding: Binding, hints: Mapping[sympy.Symbol, int], free: Sequence[sympy.Symbol] = (),
+               guards: Sequence[tuple[Any, Any]] = ()):
     """A fresh ShapeEnv for ``binding``: one new symbol per ranged (or ``free``) symbol, bounded
-    by its range and hinted at ``_range_hint``. Returns (mode, {old: new symbol}, {old: new
-    symbol or Integer}, {old: hint or value})."""
+    by its range and hinted at ``_range_hint``; ``guards`` (the trace's, as ``(guard, where)``)
+    limit the points a compile's own guards are checked at to calls the trace can serve.
+    Returns (mode, {old: new symbol}, {old: new symbol or Integer}, {old: hint or value})."""
     ranged = {s: (v[0], v[1], range_hint(v[0], v[1], hints.get(s))) for s, v in binding.items
               if not isinstance(v, int)}
     ranged.update({s: (0, INT_MAX, range_hint(0, INT_MAX, hints.get(s))) for s in free})
-    mode, new = _compat.symbolic_env(ranged)
     static = binding.static_values()
+    assumed = [sympy.sympify(g).xreplace({s: sympy.Integer(v) for s, v in static.items()}) for g, _ in guards]
+    mode, new = _compat.symbolic_env(ranged, [g for g in assumed if g not in (sympy.true, sympy.false)])
     exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}
     values = {**static, **{s: h for s, (_, _, h) in ranged.items()}}
     return mode, new, exprs, values

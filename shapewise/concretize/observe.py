@@ -35,7 +35,7 @@ def observed_range_inputs(program: Program, binding: Binding) -> dict[str, tuple
     if shapes is None or program.graph is None or any(s not in dict(binding.items) for s in shapes.symbols):
         return {}
     try:
-        mode, new, exprs, values = _range_env(binding, shapes.hints)
+        mode, new, exprs, values = _range_env(binding, shapes.hints, (), shapes.guards)
         args = _materialise(Piece("program", program.graph, shapes=shapes), mode, exprs, values, symbolic=True)
         with _compat.no_zero_one_specialisation():
             recorded = _run_split(program, args, mode)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,10 +152,14 @@ class Binding:
     def bounds(self) -> tuple[tuple[int, int], ...]:
         return tuple((v, v) if isinstance(v, int) else v for _, v in self.items)
 
-    def corners(self) -> list[dict[sympy.Symbol, int]]:
-        """The corners of the binding's box (every range at either end); one point if static."""
-        ends = [[v] if isinstance(v, int) else sorted({v[0], v[1]}) for _, v in self.items]
-        return [dict(zip([s for s, _ in self.items], combo)) for combo in itertools.product(*ends)]
+    def corners(self, over: Iterable[sympy.Symbol] | None = None) -> list[dict[sympy.Symbol, int]]:
+        """The corners of the binding's box (every range at either end); one point if static.
+        ``over``: the corners of the box's projection onto those symbols only (what a guard over
+        them sees; 2**k points for k ranges, not 2**n for all n of a cache's many symbols)."""
+        keep = None if over is None else set(over)
+        items = [(s, v) for s, v in self.items if keep is None or s in keep]
+        ends = [[v] if isinstance(v, int) else sorted({v[0], v[1]}) for _, v in items]
+        return [dict(zip([s for s, _ in items], combo)) for combo in itertools.product(*ends)]
 
     def describe(self, names: Mapping[sympy.Symbol, str] | None = None) -> str:
         """``{n=8}``; dims that share a name and a value print once (``{batch=2, seq=8}`` for

@@ -261,6 +261,11 @@ class ArtifactCache:
     def store(self, key: str, artifact: Any, info: Mapping[str, Any]) -> bool:
         """Save an Inductor artifact (and its CPU kernel libraries). False, with a log line,
         when the artifact cannot be saved; the compiled artifact is used either way."""
+        from shapewise.lower.compile import RangeParts
+
+        if isinstance(artifact, RangeParts):  # a range compiled in parts: not one artifact
+            log.debug("shapewise: artifact %s... is compiled in parts, not cached", key[:12])
+            return False
         try:
             sections = {"inductor": _compat.artifact_bytes(artifact, self._tmpdir())}
             for rel, data in _compat.kernel_binaries(artifact):

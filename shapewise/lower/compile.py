@@ -4,8 +4,10 @@ callable), static from concrete fake inputs or over a range in the variant's own
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import sympy
@@ -14,9 +16,11 @@ import torch.fx
 
 from shapewise import _compat
 from shapewise.errors import CompileError
-from shapewise.ir.program import Piece, Variant
+from shapewise.ir.program import Binding, Piece, Variant
 
-__all__ = ["lower_variant"]
+__all__ = ["MOST_PARTS", "RangeParts", "lower_variant"]
+
+log = logging.getLogger("shapewise")
 
 
 def _copy_gm(gm: torch.fx.GraphModule, static: bool = False) -> torch.fx.GraphModule:
@@ -29,6 +33,22 @@ def _copy_gm(gm: torch.fx.GraphModule, static: bool = False) -> torch.fx.GraphMo
         for node in out.graph.nodes:
             node.meta.pop("unbacked_bindings", None)
     return out
+
+
+_READS_VALUES = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "bincount", "repeat_interleave",
+                 "item", "tolist", "argwhere")
+
+
+def reads_values(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` reads a tensor's value into a size (``.item()``, ``nonzero``): a node that
+    binds an unbacked size and is such an op (a slice's size that torch 2.11 makes unbacked under
+    size-oblivious tracing is concrete at one size, and does not count)."""
+    for node in gm.graph.nodes:
+        if node.meta.get("unbacked_bindings") and node.op in ("call_function", "call_method"):
+            name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            if any(k in str(name) for k in _READS_VALUES):
+                return True
+    return False
 
 
 def _fake_mode_of(args: list[Any]):
@@ -50,11 +70,15 @@ def _is_symbolic(args: list[Any]) -> bool:
     return False
 
 
-def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping[str, Any]) -> Callable[..., Any]:
+def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping[str, Any],
+                  _parts_left: list[int] | None = None) -> Callable[..., Any]:
     """Compile one (piece, variant) and return a callable taking the piece's inputs positionally.
 
     Static variants compile from concrete fake inputs in no tracing context; range variants in
-    the context of their own fresh ShapeEnv (see ``concretize.example_args``).
+    the context of their own fresh ShapeEnv (see ``concretize.example_args``). A range compile
+    that assumed something about one of its sizes that holds over part of the range only (a
+    floor division, ``(n // 8 - 1) // 2 == 1``) serves that part, and the rest compiles again,
+    part by part (``RangeParts``, at most ``MOST_PARTS`` compiles).
     """
     args = list(variant.example_args)
     if backend == "eager":
@@ -72,22 +96,107 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     training = torch.is_grad_enabled() and any(getattr(a, "requires_grad", False) for a in args)
     reaches_one = mode is not None and (not training or _some_size_reaches_one(piece, variant))
     oblivious = _compat.no_zero_one_specialisation(mode is not None and reaches_one)
-    with _compat.fresh_tracing_context(mode), oblivious:
+    context = mode
+    reads = static and reads_values(piece.gm)
+    if reads:
+        # A piece that reads a tensor's value (.item(): XLM's longest length, JetMoE's expert
+        # counts) makes an unbacked size as it compiles, in a ShapeEnv: a static compile gets one.
+        context = _compat.data_env_mode()
+        args = _compat.refake(args, context)
+    _compat.skip_unbacked_names(context, piece.gm)
+    # The trace's unbacked bindings name symbols of the trace's ShapeEnv; a compile in another
+    # env (a range's, or a value-reading piece's) cannot rebind them, so they go too.
+    gm = _copy_gm(piece.gm, static or _compat.has_traced_unbacked(piece.gm))
+    with _compat.fresh_tracing_context(context), oblivious:
         if backend == "inductor":
-            fn = _compat.standalone_compile(_copy_gm(piece.gm, static), args, static=static, options=options,
+            fn = _compat.standalone_compile(gm, args, static=static, options=options,
                                             cache_salt=None if static else f"shapewise range {variant.binding}")
         elif backend == "aot_eager":
-            fn = _compat.aot_eager(_copy_gm(piece.gm, static), args)
+            fn = _compat.aot_eager(gm, args)
         else:
-            fn = backend(_copy_gm(piece.gm, static), args)
+            fn = backend(gm, args)
     if mode is not None:
-        bad = _compat.range_guard_violations(mode)
-        if bad:
-            raise CompileError(
-                f"the compile of {piece.name} for range {variant.binding} assumed something that does not "
-                f"hold over the whole range: {'; '.join(bad)}; split the range or compile those sizes statically"
-            )
+        failures = _compat.range_guard_failures(mode)
+        if failures:
+            parts = _in_parts(piece, variant, mode, failures, fn, backend, options,
+                              [MOST_PARTS - 1] if _parts_left is None else _parts_left)
+            if parts is None:
+                bad = "; ".join(f"{g} fails at {c}" if c else str(g) for g, c in failures)
+                raise CompileError(
+                    f"the compile of {piece.name} for range {variant.binding} assumed something that does not "
+                    f"hold over the whole range: {bad}; split the range or compile those sizes statically"
+                )
+            return parts
     return fn
+
+
+MOST_PARTS = 8  # compiles one range variant may take when its compiles hold over parts of it
+
+
+class RangeParts:
+    """A range variant compiled in parts: ``parts`` are (low, high, compiled callable) over one
+    of its sizes, read from the call's input ``place`` ((input index, dim), or (index, None) for
+    a size passed as an int)."""
+
+    def __init__(self, name: str, place: tuple[int, int | None], parts: list[tuple[int, int, Callable[..., Any]]]):
+        self.name, self.place, self.parts = name, place, sorted(parts, key=lambda p: p[0])
+
+    def __call__(self, *args: Any) -> Any:
+        i, d = self.place
+        v = int(args[i]) if d is None else args[i].shape[d]
+        for lo, hi, fn in self.parts:
+            if lo <= v <= hi:
+                return fn(*args)
+        raise CompileError(f"{self.name}={v} is in none of the parts {self.describe()} of this range variant")
+
+    def describe(self) -> str:
+        return ", ".join(f"{lo}" if lo == hi else f"{lo}..{hi}" for lo, hi, _ in self.parts)
+
+
+def _in_parts(piece: Piece, variant: Variant, mode: Any, failures: list, fn: Callable[..., Any], backend: Any,
+              options: Mapping[str, Any], parts_left: list[int]) -> RangeParts | None:
+    """``fn`` (compiled over ``variant``'s range, breaking ``failures``) for the part of the range
+    it is right on, and the rest compiled again; None when the failures are not over one size."""
+    from shapewise.concretize.examples import narrowed_example_args
+
+    run = _compat.serving_run(mode, failures)
+    if run is None:
+        return None
+    name, a, b = run
+    sym = next((s for s, v in variant.binding.items if str(s) == name and not isinstance(v, int)), None)
+    place = _place_of(variant.example_args, next((k for k, v in _compat.made_for(mode).items() if v == name), None))
+    if sym is None or place is None:
+        return None
+    lo, hi = variant.binding.mapping[sym]
+    rest = [(p, q) for p, q in ((lo, a - 1), (b + 1, hi)) if p <= q]
+    if len(rest) > parts_left[0]:
+        return None
+    parts_left[0] -= len(rest)
+    parts = [(a, b, fn)]
+    for p, q in rest:
+        sub = Binding(tuple((s, ((p, q) if p < q else p) if s == sym else v) for s, v in variant.binding.items))
+        part = dataclasses.replace(variant, binding=sub, example_args=narrowed_example_args(
+            piece, variant.example_args, sub))
+        parts.append((p, q, lower_variant(piece, part, backend, options, parts_left)))
+    out = RangeParts(piece.shapes.name_of(sym) if piece.shapes else name, place, parts)
+    log.info("shapewise: %s over %s compiled in parts %s (a compile assumed %s)", piece.name,
+             variant.binding.describe(piece.shapes.names if piece.shapes else None), out.describe(),
+             "; ".join(str(g) for g, _ in failures))
+    return out
+
+
+def _place_of(args: Sequence[Any], sym: Any) -> tuple[int, int | None] | None:
+    """Where ``sym`` is an input's size as it is: (input index, dim), or (index, None)."""
+    if sym is None:
+        return None
+    for i, a in enumerate(args):
+        if isinstance(a, torch.SymInt) and a.node.expr == sym:
+            return i, None
+        if isinstance(a, torch.Tensor):
+            for d, n in enumerate(a.shape):
+                if isinstance(n, torch.SymInt) and n.node.expr == sym:
+                    return i, d
+    return None
 
 
 def _size_exprs(gm: torch.fx.GraphModule) -> set[sympy.Expr]:

@@ -1,6 +1,7 @@
 """Lower: a compile that fails names the piece, the binding and the cause (or falls back to eager
 for that variant only, with the error in the report); a failed Inductor compile leaves nothing
-in the cache; a piece that reads a tensor's value says what to do."""
+in the cache; a piece that reads a tensor's value compiles; a range whose compile holds on part of
+it only compiles part by part."""
 
 from __future__ import annotations
 
@@ -79,13 +80,62 @@ class _ReadsAValue(torch.nn.Module):
         return x * x.sum().item()
 
 
-def test_a_piece_that_reads_a_value_says_what_to_do():
+def test_a_piece_that_reads_a_value_compiles_per_size():
+    # .item() makes an unbacked value as the piece compiles, which needs a ShapeEnv: a static
+    # compile gets one of its own (XLM's longest length, in the sweep). Right on fresh values.
     fast = sw.compile(_ReadsAValue(), sizes=[2, 4], backend="aot_eager")
-    with pytest.raises(sw.CompileError, match=r"failed \(the piece reads a tensor's value: \.item\(\).*"
-                                              r"on_compile_error='fallback'"):
-        fast(torch.randn(2, 8))
-    fallback = sw.compile(_ReadsAValue(), sizes=[2, 4], backend="aot_eager", on_compile_error="fallback")
+    for n in (2, 4, 2):
+        x = torch.randn(n, 8)
+        assert_same(fast(x), _ReadsAValue()(x), f"n={n}")
+    assert {r["source"] for r in fast.report()} == {"compiled"}
+    fallback = sw.compile(_ReadsAValue(), sizes=[2, 4], backend=_fails_for(2, "item"), on_compile_error="fallback")
     for n in (2, 4):
         x = torch.randn(n, 8)
         assert_same(fallback(x), _ReadsAValue()(x), f"n={n}")
-    assert {r["source"] for r in fallback.report()} == {"fallback"}
+    assert sorted(r["source"] for r in fallback.report()) == ["compiled", "fallback"]
+
+
+def _specialising_backend(at: int, compiled: list):
+    """A backend that decides ``n < at`` on its first input's size, as a compile may (Inductor and
+    AOTAutograd's decompositions read sizes: mamba's ``(n // 8 - 1) // 2 == 1``), and returns code
+    right only on that side: wrong answers if shapewise ran it past the guard it added."""
+
+    def backend(gm, example_inputs):
+        n = example_inputs[0].shape[0]
+        below = bool(n < at)  # a guard in the range compile's ShapeEnv (a size only: no guard)
+        compiled.append((n if isinstance(n, int) else str(n), below))
+
+        def run(*args):
+            out = gm(*args)
+            wrong = (args[0].shape[0] < at) != below
+            return tuple(o + 1000 for o in out) if wrong and isinstance(out, tuple) else out
+
+        return run
+
+    backend.__name__ = "specialising"
+    return backend
+
+
+def test_a_range_a_compile_holds_on_in_parts_is_compiled_part_by_part():
+    # A range compile that assumes n < 40 at its hint serves 17..39; 40..64 compiles again (its
+    # own compile assumes n >= 40): two compiles, right at every size, one variant in the table.
+    compiled: list = []
+    model = MLP()
+    fast = sw.compile(model, ranges=[(17, 64)], backend=_specialising_backend(40, compiled))
+    for n in (17, 33, 39, 40, 41, 64):
+        x = torch.randn(n, 32)
+        assert_same(fast(x), model(x), f"n={n}")
+    assert sorted(b for _, b in compiled) == [False, True], compiled
+    assert [r["key"] for r in fast.report()] == ["{n=17..64}"]
+
+
+def test_a_range_that_would_take_too_many_parts_is_refused():
+    # n even (a Mod guard) holds at one size in every two: more than MOST_PARTS compiles, refused
+    # naming the guard, not compiled 24 times.
+    def backend(gm, example_inputs):
+        bool(example_inputs[0].shape[0] % 2 == 0)
+        return gm.forward
+
+    fast = sw.compile(MLP(), ranges=[(16, 40)], backend=backend)
+    with pytest.raises(sw.CompileError, match="does not hold over the whole range"):
+        fast(torch.randn(20, 32))

@@ -180,3 +180,20 @@ def test_model_without_a_kv_cache_in_generate():
     fast = _greedy_equal(transformers.OpenAIGPTLMHeadModel(cfg).eval(), dict(prompt_sizes=[12], max_length=32),
                          _prompts(12, 12))
     assert fast.traces == 1
+
+
+def test_sparse_attention_indexer_cache_is_one_decode_trace():
+    # DeepSeek-V3.2 (DSA): each layer's cache also keeps the indexer's keys, [batch, tokens, head
+    # dim], growing along dim 1, not 2: marked there, decode is one trace, not one per token.
+    if not hasattr(transformers, "DeepseekV32Config"):
+        pytest.skip("this transformers has no DeepSeek-V3.2")
+    cfg = transformers.DeepseekV32Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        index_n_heads=4, index_head_dim=8, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    fast = _greedy_equal(transformers.DeepseekV32ForCausalLM(cfg).eval(),
+                         dict(prompt_sizes=[12], max_length=32), _prompts(12, 12))
+    assert fast.traces == 2, fast.direct_info
