@@ -5,6 +5,7 @@ through a shared cache folder (keys do not depend on the rank). NCCL on two GPUs
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -18,10 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_world(tmp_path: Path, *flags: str, world: int = 2) -> list[dict]:
+    # A gloo world runs on the CPU: on a GPU machine transformers' tp_plan would place rank r on
+    # cuda:r ("invalid device ordinal" on the one-GPU H200), so the GPUs are hidden from it.
+    env = os.environ if "--nccl" in flags else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     for attempt in (1, 2):
         out = tmp_path / f"out{attempt}"
         proc = subprocess.run([sys.executable, "-m", "tests.distributed.tp_worker", "--world", str(world),
-                               "--out", str(out), *flags], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                               "--out", str(out), *flags], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env=env)
         # Once, in a clean-clone CI run (2 cores, the whole suite before it), rank 0 died by SIGABRT
         # ("terminate called without an active exception", no Python traceback); not reproduced in
         # three runs alone, cause not found. A death by a signal gets one more run from nothing;
