@@ -114,8 +114,7 @@ class ShapewiseModule:
 
     def _dims_at(self, arg: str, attr: str | None) -> dict[int, str]:
         """The marked dims of a tensor of ``arg`` held at attribute ``attr`` (None: the argument itself)."""
-        return self._tensor_attrs.get(arg, {}).get(attr, self._arg_dims.get(arg, {})) if attr else \
-            self._arg_dims.get(arg, {})
+        return self._tensor_attrs.get(arg, {}).get(attr, self._arg_dims.get(arg, {}))
 
     # -- tracing -------------------------------------------------------------------------
     def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
