@@ -12,7 +12,7 @@ import torch
 from shapewise.backend import DEFAULT_DIM_NAME
 from shapewise.errors import ConfigError
 
-__all__ = ["dims_spec", "held_tensors", "int_paths", "members", "tensors_of"]
+__all__ = ["dims_spec", "held_tensors", "int_paths", "members", "parse_dynamic_dims", "tensors_of"]
 
 
 def members(value: Any, attrs: Collection[str] = ()) -> Iterator[tuple[str, str | None, Any]]:
@@ -93,6 +93,30 @@ def dims_spec(spec: Any, arg: str) -> dict[int | str, Any]:
     if isinstance(spec, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in spec):
         return {d: DEFAULT_DIM_NAME for d in spec}
     raise ConfigError(f"dynamic_dims[{arg!r}] must be a dim, a list of dims or {{dim: name}}, got {spec!r}")
+
+
+def parse_dynamic_dims(dynamic_dims: Mapping[str, Any] | None, fn: Any, params: Mapping[str, Any]
+                       ) -> tuple[dict[str, dict[int, str]] | None, dict[str, dict[str, str]],
+                                  dict[str, dict[str, dict[int, str]]]]:
+    """``shapewise.compile``'s ``dynamic_dims`` (over the arguments ``params`` of ``fn``) as three
+    maps: {argument: {dim: name}} (None when not given), {object argument: {int attribute: name}}
+    and {object argument: {attribute: {dim: name}}} (the tensors held there)."""
+    if dynamic_dims is None:
+        return None, {}, {}
+    dims: dict[str, dict[int, str]] = {}
+    int_attrs: dict[str, dict[str, str]] = {}
+    tensor_attrs: dict[str, dict[str, dict[int, str]]] = {}
+    for arg, spec in dynamic_dims.items():
+        if arg not in params:
+            raise ConfigError(f"dynamic_dims names {arg!r}, which is not an argument of "
+                              f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
+        full = dims_spec(spec, arg)
+        dims[arg] = {d: n for d, n in full.items() if isinstance(d, int)}
+        if ints := {d: n for d, n in full.items() if isinstance(d, str) and isinstance(n, str)}:
+            int_attrs[arg] = ints
+        if held := {d: n for d, n in full.items() if isinstance(d, str) and not isinstance(n, str)}:
+            tensor_attrs[arg] = held
+    return dims, int_attrs, tensor_attrs
 
 
 def int_paths(value: Any, attrs: Collection[str]) -> list[tuple[str, int]]:

@@ -20,7 +20,7 @@ from shapewise.direct import MISS, DirectCalls, bound_module, build_direct_call,
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
-from shapewise.marks import dims_spec, held_tensors, int_paths, tensors_of
+from shapewise.marks import held_tensors, int_paths, parse_dynamic_dims, tensors_of
 
 __all__ = ["NoDynamicSizes", "ShapewiseModule", "compile"]
 
@@ -65,24 +65,9 @@ class ShapewiseModule:
         # whose wrapper takes (*args, **kwargs) gets the module itself as args[0] (transformers'
         # forward decorators), so a positional input_ids is args[1].
         self._source_positional = (["self", *self._positional] if self_in_args(model) else self._positional)
-        self._dims: dict[str, dict[int, str]] | None = None
-        # Per object argument: its int attributes traced as sizes ({"cumulative_length": "pos"}).
-        self._int_attrs: dict[str, dict[str, str]] = {}
-        # Per object argument: the dims of the tensors held at an attribute, in place of its own.
-        self._tensor_attrs: dict[str, dict[str, dict[int, str]]] = {}
-        if dynamic_dims is not None:
-            self._dims = {}
-            for arg, spec in dynamic_dims.items():
-                if arg not in params:
-                    raise ConfigError(f"dynamic_dims names {arg!r}, which is not an argument of "
-                                      f"{getattr(fn, '__qualname__', fn)}; its arguments: {list(params)}")
-                full = dims_spec(spec, arg)
-                self._dims[arg] = {d: n for d, n in full.items() if isinstance(d, int)}
-                if any(isinstance(d, str) and isinstance(n, str) for d, n in full.items()):
-                    self._int_attrs[arg] = {d: n for d, n in full.items() if isinstance(d, str) and isinstance(n, str)}
-                if any(isinstance(d, str) and not isinstance(n, str) for d, n in full.items()):
-                    self._tensor_attrs[arg] = {d: n for d, n in full.items() if isinstance(d, str)
-                                               and not isinstance(n, str)}
+        # Per argument: its marked dims; per object argument: its int attributes traced as sizes
+        # ({"cumulative_length": "pos"}) and the dims of the tensors held at an attribute.
+        self._dims, self._int_attrs, self._tensor_attrs = parse_dynamic_dims(dynamic_dims, fn, params)
         # Sizes and ranges before any trace (a typo should not cost a trace to find out).
         check_sizes(sizes, ranges, names=self._declared_names())
         self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,

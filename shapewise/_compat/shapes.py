@@ -267,7 +267,7 @@ _MOST_GUARD_SYMBOLS = 4  # 6**4 points; a guard over more sizes is left to the p
 def range_guard_violations(mode: FakeTensorMode) -> list[str]:
     """Guards a compile added to ``mode``'s ShapeEnv that do not hold at every corner of
     the symbols' ranges (e.g. a compile that specialised a ranged size to its hint)."""
-    return [f"{g} fails at {c}" if c else f"{g}" for g, c in range_guard_failures(mode)]
+    return [f"{g} fails at {c}" if c else f"{g.lhs} fixed to {g.rhs}" for g, c in range_guard_failures(mode)]
 
 
 def range_guard_failures(mode: FakeTensorMode) -> list[tuple[sympy.Expr, dict[sympy.Symbol, int]]]:
