@@ -39,12 +39,52 @@ __all__ = ["compile_generate"]
 _OWN = ("sizes", "ranges", "dynamic_dims")
 _COUNTERS = ("cumulative_length", "cumulative_length_int")
 _ALONG_DIM_1 = ("indexer_keys",)  # cache tensors whose token dim is 1
+_RELAID = ("keys", "values", *_ALONG_DIM_1)  # what a prefill hands decode contiguous
 
 
 def _uses_cache(model: torch.nn.Module) -> bool:
     """Whether ``generate()`` passes this model a KV cache (its generation config decides, else its config)."""
     flag = getattr(model.generation_config, "use_cache", None)
     return (flag if flag is not None else getattr(model.config, "use_cache", True)) is not False
+
+
+def _settle_cache(cache_arg: str) -> Any:
+    """After a prefill (a call of several tokens), a dynamic cache's keys and values made
+    contiguous: prefill leaves them in whatever layout its kernels made (Inductor's, or a
+    sliding window's slice of the prompt, whose strides depend on the prompt's length), and a
+    decode trace is guarded on strides, so each layout would cost a trace. Decode's own steps
+    then grow the cache in the layouts its one trace (two for sliding windows: filling, then
+    full) was made for, whatever the prompt."""
+    def settle(args: tuple, kwargs: dict, out: Any) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[-1] == 1:
+            return
+        cache = kwargs.get(cache_arg)
+        if cache is None:
+            cache = getattr(out, "past_key_values", None)
+        for layer in _cache_layers(cache):
+            window = getattr(layer, "sliding_window", None)
+            for name in _RELAID:
+                t = getattr(layer, name, None)
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if type(window) is int and name != "indexer_keys" and t.dim() == 4 and t.shape[-2] == window - 1:
+                    # A full window, laid out as the layer's own update lays it out at every step
+                    # (the last window - 1 rows of the cat of the cache and the new token).
+                    full = t.new_empty((*t.shape[:2], window, t.shape[-1]))
+                    full[:, :, 1:].copy_(t)
+                    setattr(layer, name, full[:, :, 1:])
+                elif not t.is_contiguous():
+                    setattr(layer, name, t.contiguous())
+
+    return settle
+
+
+def _cache_layers(cache: Any) -> list[Any]:
+    """The layers of a transformers cache (an encoder-decoder cache's self-attention ones)."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(cache, "layers", None)
+    return list(layers) if isinstance(layers, (list, tuple)) else []
 
 
 def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
@@ -110,5 +150,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     options.setdefault("direct_call", True)
     fast = ShapewiseModule(model.forward, sizes=sizes, ranges=ranges, dynamic_dims=dims,
                            splitting_ops=splitting_ops, **options)
+    if grows:
+        fast.after_call = _settle_cache(cache_arg)
     model.forward = fast
     return fast

@@ -90,6 +90,8 @@ class ShapewiseModule:
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
         # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed them.
         self._directs = DirectCalls(bool(direct_call))
+        # Run after every call with (args, kwargs, output): compile_generate hands prefill's cache to decode.
+        self.after_call: Callable[[tuple, dict, Any], None] | None = None
 
     def _declared_names(self) -> set[str]:
         """Every dim name ``dynamic_dims`` declares (the default's ``n`` without one)."""
@@ -300,17 +302,17 @@ class ShapewiseModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         directs = self._directs
-        if directs.armed:
-            out = directs(args, kwargs)
-            if out is not MISS:
-                return out
-        try:
-            out = self._call(args, kwargs)
-        except BaseException:
-            directs.forget()  # a failed call arms nothing
-            raise
-        if directs.pending:
-            directs.arm(args, kwargs, self._positional, out, self._trace_label)
+        out = directs(args, kwargs) if directs.armed else MISS
+        if out is MISS:
+            try:
+                out = self._call(args, kwargs)
+            except BaseException:
+                directs.forget()  # a failed call arms nothing
+                raise
+            if directs.pending:
+                directs.arm(args, kwargs, self._positional, out, self._trace_label)
+        if self.after_call is not None:
+            self.after_call(args, kwargs, out)
         return out
 
     def _call(self, args: tuple, kwargs: dict) -> Any:

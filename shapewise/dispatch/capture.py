@@ -25,11 +25,12 @@ log = logging.getLogger("shapewise")
 def dummy_inputs(program: Program, key: tuple, example_inputs: Sequence[Any],
                  written: frozenset[int] = frozenset()) -> list[Any]:
     """The graph's inputs at the size ``key``, for capturing it before any real call: inputs
-    whose layout depends on a dynamic size become zeros at that size's layout; inputs the graph
-    writes (``written``: positions) that graphs copy in become copies, so the caller's tensors are
-    not written; the rest (parameters, buffers, a static KV cache, fixed-size inputs) are the
-    example inputs themselves, as the real calls will pass them (``capture_now`` restores the
-    ones of those the graph writes)."""
+    whose layout depends on a dynamic size become zeros at that size's layout; other inputs the
+    caller passes anew each call become copies (made anew per call of ``dummy_inputs``, so a
+    graph copies them in, as it will the caller's); parameters, buffers and the inputs the graph
+    writes (``written``: positions; a KV cache, used where it is) are the example inputs
+    themselves, as the real calls will pass them (``capture_now`` restores the ones the graph
+    writes)."""
     shapes = program.shapes
     values = dict(zip(shapes.symbols, key))
     out = []
@@ -45,10 +46,10 @@ def dummy_inputs(program: Program, key: tuple, example_inputs: Sequence[Any],
                                   device=example.device)
             out.append(storage.as_strided(shape, stride, offset))
         elif i in written:
+            out.append(example)
+        else:
             out.append(torch.empty_strided(example.shape, example.stride(), dtype=example.dtype,
                                            device=example.device).copy_(example))
-        else:
-            out.append(example)
     return out
 
 
@@ -56,10 +57,9 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
     """Capture every size of a program that ``CudaGraphs`` made, now, on dummy inputs
     (``dummy_inputs``), largest first: each size runs once (its warm-up) and is captured.
 
-    Inputs the graph writes in place are left as they were: those graphs copy in get copies as
-    dummies, and those used at their own address (a static KV cache, parameters) are restored
-    from a snapshot afterwards (so a cache written since start-up keeps its contents; the snapshot
-    costs one copy of each such tensor while capturing). Returns (and logs) the sizes captured,
+    Inputs the graph writes in place are left as they were: they are restored from a snapshot
+    afterwards (so a cache written since start-up keeps its contents; the snapshot costs one copy
+    of each such tensor while capturing). Returns (and logs) the sizes captured,
     the seconds it took and the bytes the graphs hold (``graph_memory``)."""
     from tqdm import tqdm
 
@@ -70,16 +70,19 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
     start = time.perf_counter()
     show = progress if progress is not None else logging.getLogger("shapewise").isEnabledFor(logging.INFO)
     written = mutated_inputs(program.gm)
-    kept = [t for i, t in enumerate(example_inputs) if i in written and isinstance(t, torch.Tensor) and is_fixed(t)]
+    kept = [t for i, t in enumerate(example_inputs) if i in written and isinstance(t, torch.Tensor)]
     with torch.no_grad():
         snapshots = [t.clone() for t in kept]
     try:
         for key in tqdm(sorted(keys, reverse=True), desc="shapewise capture", unit="size", disable=not show,
                         leave=False):
-            args = dummy_inputs(program, key, example_inputs, written)
             run = program.dispatch.exact[key]
-            run(*args)  # warm-up
-            run(*args)  # capture
+            # Dummies made anew for the capture (both alive, so at other addresses): the graph copies
+            # them in, as it will the caller's inputs, and uses the example inputs where they are.
+            warm = dummy_inputs(program, key, example_inputs, written)
+            run(*warm)  # warm-up
+            run(*dummy_inputs(program, key, example_inputs, written))  # capture
+            del warm
     finally:
         with torch.no_grad():
             for t, snapshot in zip(kept, snapshots):

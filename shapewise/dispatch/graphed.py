@@ -80,10 +80,16 @@ class GraphedPiece:
         # Subclass inputs (DTensor weights): (input, its inner tensors' attributes, their addresses).
         self.fixed_inner: list[tuple[int, tuple[str, ...], tuple]] = []
         self.adopted: list[tuple[int, int, tuple[int, ...]]] = []  # (input, address, strides) read in place
+        # Inputs used where they were on the warm-up and capture calls (a KV cache the model keeps,
+        # a persistent buffer), whether or not anyone marked them: (input, address, strides).
+        self.kept: list[tuple[int, int, tuple[int, ...]]] = []
+        self.warm_at: dict[int, tuple[int, tuple[int, ...]]] = {}  # the last uncaptured call's addresses
+        self.moved_inputs: set[int] = set()  # inputs that moved once: copied in from then on
         self.mutated: set[int] = set()  # inputs the warm-up wrote in place (their version moved)
         self.warmed = False
         self.uncaptured: str | None = None  # why this piece runs without a graph (a host tensor input)
         self.fallbacks = 0
+        self.recaptures = 0  # captures again after an input used in place moved
 
     def __call__(self, *args: Any) -> Any:
         graph = self.graph
@@ -105,6 +111,10 @@ class GraphedPiece:
             if a.data_ptr() != ptr or a.stride() != stride:
                 self.group.moved(self, i)  # this size is captured again, copying it in
                 return self.fn(*args)
+        for i, ptr, stride in self.kept:
+            a = args[i]
+            if a.data_ptr() != ptr or a.stride() != stride:
+                return self._kept_moved(args, i)
         for i, static in self.copy_slots:
             static.copy_(args[i])
         graph.replay()
@@ -119,6 +129,21 @@ class GraphedPiece:
             log.warning("shapewise: %s at %s: input %d is not at its captured address; running it "
                         "without its CUDA graph", self.name, self.key, i)
         self.fallbacks += 1
+        return self.fn(*args)
+
+    def _kept_moved(self, args: tuple, i: int) -> Any:
+        """An input used in place is elsewhere this call (it was where it was twice by chance, or
+        its owner made it anew): capture again, with that input copied in from now on."""
+        log.warning("shapewise: %s at %s: input %d is not where the warm-up and the capture found it; capturing "
+                    "this size again on the next call, with that input copied in", self.name, self.key, i)
+        self.moved_inputs.add(i)
+        if self.group is not None:
+            self.group.recapture(self, i)
+        else:
+            torch.cuda.synchronize()  # no replay in flight while the graph goes
+            with self.pool.lock:
+                self.reset(self.pool.static_ptrs.setdefault(self.key, set()))
+        self.recaptures += 1
         return self.fn(*args)
 
     def _warm_up(self, args: tuple) -> Any:
@@ -140,6 +165,8 @@ class GraphedPiece:
             log.info("shapewise: %s at %s is not captured in a CUDA graph: %s", self.name, self.key, self.uncaptured)
             return self.fn(*args)
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
+        self.warm_at = {i: (a.data_ptr(), a.stride()) for i, a in enumerate(args)
+                        if isinstance(a, torch.Tensor) and not _compat.is_traceable_wrapper_subclass(a)}
         out = self.fn(*args)
         self.mutated = {i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v}
         return out
@@ -148,7 +175,7 @@ class GraphedPiece:
         with self.pool.lock:
             live = self.pool.static_ptrs.setdefault(self.key, set())
             static_args = list(args)
-            fixed, inner, copies, write_back, adopted = [], [], [], [], []  # committed once the graph exists
+            fixed, inner, copies, write_back, adopted, kept = [], [], [], [], [], []  # committed with the graph
             adopt = self.group is not None and self.group.adopt
             for i, a in enumerate(args):
                 if not isinstance(a, torch.Tensor):
@@ -166,6 +193,9 @@ class GraphedPiece:
                 if adopt and i in self.adoptable and i not in self.mutated:  # (never a subclass: see _warm_up)
                     adopted.append((i, a.data_ptr(), a.stride()))  # where the splitting op put it
                     continue
+                if i not in self.moved_inputs and self.warm_at.get(i) == (at, a.stride()):
+                    kept.append((i, at, a.stride()))  # where it was on the warm-up too: read and written there
+                    continue
                 buf = self.buffers[i]
                 view = buf.view(self.key) if buf is not None else torch.empty_like(a)
                 view.copy_(a)
@@ -180,7 +210,7 @@ class GraphedPiece:
             for t in tensors_of(outputs):
                 live.add(address(t))
             self.fixed_slots, self.fixed_inner, self.copy_slots = fixed, inner, copies
-            self.write_back, self.adopted = write_back, adopted
+            self.write_back, self.adopted, self.kept = write_back, adopted, kept
             self.outputs = outputs
             self.graph = graph
         graph.replay()
@@ -195,6 +225,7 @@ class GraphedPiece:
             live.discard(address(t))
         self.graph, self.outputs = None, None
         self.fixed_slots, self.fixed_inner, self.copy_slots, self.write_back, self.adopted = [], [], [], [], []
+        self.kept = []
 
 
 class SizeGraphs:
@@ -225,9 +256,14 @@ class SizeGraphs:
         log.warning("shapewise: %s at %s: input %d (a splitting op's output) is not where the capture found "
                     "it; capturing this size again on the next call, with the splitting ops' outputs copied in",
                     piece.name, self.key, i)
+        self.adopt = False
+        self.recapture(piece, i)
+
+    def recapture(self, piece: GraphedPiece, i: int) -> None:
+        """Drop every graph of the size: the rest of this call runs uncaptured, the next call
+        captures them again in order (graphs that share a pool replay in capture order)."""
         torch.cuda.synchronize()  # no replay in flight while the graphs go
         with self.pool.lock:
-            self.adopt = False
             self.resetting = True
             self.recaptures += 1
             live = self.pool.static_ptrs.setdefault(self.key, set())
@@ -239,9 +275,10 @@ class StagedInputs:
     """Piecewise graphs at one size: the caller's tensors copied once per call into static
     buffers that every graph reads in place (a graph input several pieces read, such as the
     residual stream of the first layer, is not copied once per piece). Which inputs are staged
-    is decided on the first call: the CUDA tensors that are not used at their own address
-    (``is_fixed``) and that no piece writes in place (those keep the pieces' copy-in and
-    write-back)."""
+    is decided on the second call (the one that captures): the CUDA tensors that are not used at
+    their own address (``is_fixed``), that moved since the first call (one that stayed where it
+    was, a KV cache or a persistent buffer, is read where it is, as ``GraphedPiece`` reads it) and
+    that no piece writes in place (those keep the pieces' own copy-in and write-back)."""
 
     def __init__(self, run: Callable[..., Any], key: tuple, pool: GraphPool, buffers: Sequence[StaticBuffer | None],
                  written: frozenset[int], group: SizeGraphs | None = None) -> None:
@@ -252,6 +289,7 @@ class StagedInputs:
         self.buffers = list(buffers)
         self.written = written
         self.slots: list[tuple[int, torch.Tensor]] | None = None
+        self.first_at: dict[int, int] | None = None  # the first call's addresses
 
     def __call__(self, *args: Any) -> Any:
         group = self.group
@@ -259,6 +297,9 @@ class StagedInputs:
             group.resetting = False  # a new call: the size captures again, piece by piece in order
         slots = self.slots
         if slots is None:
+            if self.first_at is None:  # the pieces' warm-up: note where the caller's tensors are
+                self.first_at = {i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+                return self.run(*args)
             slots = self._decide(args)
         if slots:
             args = list(args)
@@ -274,7 +315,7 @@ class StagedInputs:
             for i, a in enumerate(args):
                 buf = self.buffers[i] if i < len(self.buffers) else None
                 if buf is None or not isinstance(a, torch.Tensor) or not a.is_cuda or is_fixed(a) or i in self.written \
-                        or _compat.is_traceable_wrapper_subclass(a):
+                        or _compat.is_traceable_wrapper_subclass(a) or self.first_at.get(i) == a.data_ptr():
                     continue
                 static = buf.view(self.key)
                 live.add(static.data_ptr())  # the pieces read it in place, as an earlier graph's output

@@ -333,10 +333,7 @@ def _accumulate_static(x, total, cache):
     return x * 2
 
 
-def test_dummy_inputs_never_hand_the_graph_a_tensor_of_the_callers_to_write():
-    from shapewise.dispatch.capture import dummy_inputs
-    from shapewise.ir.effects import mutated_inputs
-
+def _accumulate_program():
     cache = torch.zeros(3)
     torch._dynamo.mark_static_address(cache)
     gm = dynamo_graph(_accumulate_static, torch.randn(4, 3), torch.zeros(3), cache)
@@ -344,14 +341,38 @@ def test_dummy_inputs_never_hand_the_graph_a_tensor_of_the_callers_to_write():
     total = torch.full((3,), 7.0)
     by_name = {"L_x_": torch.randn(4, 3), "L_total_": total, "L_cache_": cache}
     example = [by_name.get(str(n.target), 4) for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo's order
+    return program, example, total, cache
+
+
+def test_dummy_inputs_use_what_the_graph_writes_where_it_is():
+    # A start-up capture runs on dummies, but the inputs the graph writes (a KV cache, marked or
+    # not) are the caller's own, so the graphs use them in place as the real calls will pass them.
+    from shapewise.dispatch.capture import dummy_inputs
+    from shapewise.ir.effects import mutated_inputs
+
+    program, example, total, cache = _accumulate_program()
     written = mutated_inputs(program.gm)
     args = dummy_inputs(program, (2,), example, written)
-    by_position = dict(zip(range(len(args)), args))
     (i_total,) = [i for i, e in enumerate(example) if e is total]
     (i_cache,) = [i for i, e in enumerate(example) if e is cache]
     assert {i_total, i_cache} <= written
-    assert by_position[i_total] is not total and torch.equal(by_position[i_total], total)  # a copy
-    assert by_position[i_cache] is cache  # used where it lives (capture_now restores it afterwards)
+    assert args[i_total] is total and args[i_cache] is cache
+    (i_x,) = [i for i, e in enumerate(example) if isinstance(e, torch.Tensor) and e.shape == (4, 3)]
+    assert args[i_x].shape == (2, 3) and args[i_x] is not example[i_x]  # zeros at the size captured
+
+
+def test_startup_capture_leaves_what_the_graph_writes_as_it_was(monkeypatch):
+    # capture_now's two dummy calls write the caller's cache and accumulator: restored afterwards.
+    from shapewise.dispatch import capture
+
+    program, example, total, cache = _accumulate_program()
+    program = program.replace(cudagraph_keys=((2,),), capture_at_startup=True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # an eager program on the CPU
+    monkeypatch.setattr(capture, "graph_memory", lambda p: {"pool_bytes": 0, "buffers_bytes": 0,
+                                                            "split_pools_bytes": 0})
+    before = cache.clone()  # (the trace ran the function once)
+    capture.capture_now(program, example, progress=False)
+    assert torch.equal(total, torch.full((3,), 7.0)) and torch.equal(cache, before)
 
 
 def test_a_failed_startup_capture_is_reported_and_the_calls_go_on(caplog):

@@ -105,3 +105,49 @@ def test_graphs_may_read_in_place_every_attention_output():
     after = [n.target for n in program.graph.graph.nodes if n.op == "call_module" and n.target not in splitting][1:]
     # q, k and v are views of one qkv output (outputs aliasing each other): still read in place.
     assert [len(fed[name]) for name in after] == [1, 1, 1]
+
+
+def test_an_input_where_it_was_is_used_in_place_a_fresh_one_is_copied_and_a_moved_one_recaptures(events):
+    # A KV cache the model keeps (unmarked: transformers makes a static cache's tensors inside the
+    # trace) is at one address on the warm-up and the capture: read and written there, no copy in or
+    # back. The caller's fresh input is copied in. A tensor used in place that moves later makes the
+    # graph capture again, with it copied in from then on.
+    pool = GraphPool()
+    cache = _cuda(torch.zeros(4))
+
+    def step(x, kv):
+        kv.add_(x)  # written in place, as a cache update
+        return _cuda(kv * 2)
+
+    piece = GraphedPiece(step, "forward", (4,), pool, [None, None])
+    fresh = [_cuda(torch.randn(4)) for _ in range(7)]  # all alive: each at an address of its own
+    for x in fresh[:4]:
+        piece(x, cache)
+    assert events == ["warm-up forward", "capture forward", "replay", "replay", "replay"]
+    assert [i for i, *_ in piece.kept] == [1] and [i for i, _ in piece.copy_slots] == [0]
+    assert piece.write_back == [] and piece.recaptures == 0
+    events.clear()
+    elsewhere = _cuda(torch.zeros(4))  # the cache made anew (its owner reallocated it)
+    piece(fresh[4], elsewhere)  # runs uncaptured
+    piece(fresh[5], elsewhere)  # captures again
+    piece(fresh[6], elsewhere)
+    assert events == ["capture forward", "replay", "replay"] and piece.recaptures == 1
+    assert piece.kept == [] and sorted(i for i, _ in piece.copy_slots) == [0, 1]
+    assert [i for i, _ in piece.write_back] == [1]  # copied in, so the graph's write goes back to the caller's
+
+
+def test_staged_inputs_copy_only_what_moved_between_the_first_two_calls(events):
+    pool = GraphPool()
+    kept = _cuda(torch.ones(4))  # a persistent buffer the caller passes every call
+    group = SizeGraphs((4,), pool, None)
+    piece = GraphedPiece(lambda x, b: _cuda(x + b), "p0", (4,), pool, [None, None], group)
+
+    class Buffer:
+        def view(self, key):
+            return _cuda(torch.empty(4))
+
+    staged = StagedInputs(lambda x, b: piece(x, b), (4,), pool, [Buffer(), Buffer()], frozenset(), group)
+    for x in [_cuda(torch.randn(4)) for _ in range(3)]:
+        staged(x, kept)
+    assert [i for i, _ in staged.slots] == [0]  # the fresh input, staged once for every piece
+    assert [i for i, *_ in piece.kept] == [1] and piece.copy_slots == []  # (0: a staged buffer, live)

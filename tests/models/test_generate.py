@@ -141,15 +141,24 @@ def test_sliding_window_decode_is_a_fixed_number_of_traces(static_cache):
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = cls(cfg).eval()
-    prompts = _prompts(12, 5)
-    options = dict(prompt_sizes=[12], prompt_ranges=[(2, 11)], max_length=40, static_cache=static_cache)
-    fast = _greedy_equal(model, options, prompts, new_tokens=6)
-    # One trace per branch of the model's Python, whatever the tokens: prefill and decode, each
-    # before and after the window fills (and the first step's cache in prefill's layout).
+    short = _prompts(5)[0]
+    run = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    expected = model.generate(short, **run)
+    # Prompt ranges either side of the window (the model branches on it).
+    options = dict(prompt_sizes=[12], prompt_ranges=[(2, 7), (8, 11)], max_length=40, static_cache=static_cache)
+    # Prompts past the window: prefill and decode, two traces whatever the prompt's length (prefill
+    # hands decode its window laid out as decode's own steps lay it out, not as a slice of the prompt).
+    fast = _greedy_equal(model, options, _prompts(12, 10), new_tokens=6)
+    # A static cache's sliding layers make Dynamo fix a prompt range's length (one prefill trace per
+    # length in it: the 4-d mask's width is specialised), so there prompt 10 is a trace of its own.
+    assert fast.traces == (3 if static_cache else 2), fast.report()
+    # A prompt inside the window adds the model's other branches: its prefill, decode while the
+    # window fills, and the step that fills it. Never a trace per token.
+    assert torch.equal(model.generate(short, **run), expected)
     traces = fast.traces
-    for p in prompts:
+    for p in _prompts(12, 10, 5):  # (a static cache's prefill traces again at a new length in a range)
         model.generate(p, max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    assert fast.traces == traces <= 6, fast.report()
+    assert fast.traces == traces <= 5, fast.report()
     # Past Dynamo's frame too: the direct call reads the counters and the window's strided views
     # as the trace did and sets the counter the forward sets (cumulative_length + 1).
     assert "off" not in fast.direct_info, fast.direct_info
