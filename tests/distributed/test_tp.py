@@ -98,7 +98,7 @@ def test_transformers_tp_plan_dtensor_weights(tmp_path):
     for r, result in enumerate(ranks):
         # The zoo's other decoders that have a tp_plan (aot_eager): right answers at 1 and 4 tokens,
         # sharded weights, direct calls on for both traces.
-        assert set(result["zoo"]) == {"qwen2", "qwen3", "mistral", "gemma3", "phi3", "gpt_neox"}
+        assert set(result["zoo"]) == {"qwen3", "gemma3", "phi3"}
         for name, z in result["zoo"].items():
             assert z["dtensor_weights"] >= 10 and z["traces"] == 2, (r, name, z)
             assert z["max_rel_error"] < 1e-5 and z["direct_info"] == "trace 1 (n=1): on; trace 2: on", (r, name, z)

@@ -204,7 +204,10 @@ def sweep_zoo(args: argparse.Namespace, device: torch.device) -> dict[str, dict]
 
 
 #: The zoo's decoders that transformers gives a tp_plan (gpt2 and opt have none), llama aside.
-ZOO_TP = ("qwen2", "qwen3", "mistral", "gemma3", "phi3", "gpt_neox")
+# Three of the zoo's decoders with a tp_plan, by what their plans shard differently (q/k norms; a
+# sliding window and extra norms; fused qkv and gate-up projections). Qwen2, Mistral and GPT-NeoX
+# passed too (at 12c55b5) and were left out for CI time (the test took 200 s with six).
+ZOO_TP = ("qwen3", "gemma3", "phi3")
 
 
 def save_hf_model(path: Path) -> None:
