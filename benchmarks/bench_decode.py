@@ -1,0 +1,419 @@
+"""The decode step, measured the way the bandwidth floor is defined: side by side in one process
+on one GPU, contenders interleaved round by round.
+
+Models (random weights, bf16, SDPA, batch 1, a static KV cache for every contender so that a
+step can be repeated in place): ``1b``, Llama-3.2-1B shapes (hidden 2048, 16 layers, 32 heads,
+8 KV heads, MLP 8192, vocab 128256, tied embeddings); ``8b``, Llama-3.1-8B shapes (hidden 4096,
+32 layers, 32 heads, 8 KV heads, MLP 14336, vocab 128256).
+
+Contenders (each on its own copy of the weights):
+  eager        transformers' forward, static cache, no compile (``disable_compile``);
+  hf_recipe    transformers' own recipe: the static cache and ``torch.compile(mode="reduce-overhead",
+               fullgraph=True)`` of the forward (``generate()``'s ``CompileConfig``);
+  sw_full      ``sw.compile_generate(..., static_cache=True, cudagraphs="full")``;
+  sw_full_and_piecewise   the same with ``cudagraphs={"mode": "full_and_piecewise"}`` (decode,
+               one token, is a full graph; prefill piecewise).
+
+The decode step is the call ``generate()`` makes: its arguments are recorded from
+``prepare_inputs_for_generation`` at the last decode step of a warm-up generation (input_ids
+[1, 1], position ids, the StaticCache, ...) and the step is called with them again and again
+(it writes the same cache slot each time). Per contender:
+
+- host µs per step: the GPU idle, the time a step's call takes to return (it launches, it does not
+  wait), median over steps;
+- GPU µs per step: CUDA events around ``n`` steps issued while the GPU is held busy by a spin
+  kernel first (the host far ahead; ``n`` kept under the launch queue's depth), median of rounds;
+- kernels, device copies (memcpy and copy kernels) and memsets per step, from torch.profiler over
+  ``--profile-steps`` steps, with the GPU kernel time they add up to;
+- the floor: the weights' bytes (read once per step) over the measured copy bandwidth (a 1 GiB
+  device-to-device copy, bytes read plus bytes written), and the fraction of it reached;
+- ``generate()`` decode tokens/s: prompt 128, 256 new tokens, median of full generations over the
+  time past the first token;
+- correctness: each contender's tokens against eager's in fp32 on a 2-layer model of the same
+  widths (``--check-layers``), and its bf16 per-step logits against the fp32 model's (relative
+  error, over the steps before the first token where the two differ).
+
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --models 1b --out /tmp/decode
+    python3 benchmarks/bench_decode.py --device cpu --tiny --out /tmp/decode-cpu     # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import shapewise as sw  # noqa: E402
+
+CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_and_piecewise")
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def make_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=256 if shape == "tiny" else 128256, max_position_embeddings=4096,
+                                   **SHAPES[shape])
+    if layers:
+        cfg.num_hidden_layers = layers
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
+    return model
+
+
+def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
+    """Set ``model`` up as contender ``name`` (static cache for all); returns the shapewise module or None."""
+    model.generation_config.cache_implementation = "static"
+    if name == "eager":
+        model.generation_config.disable_compile = True
+        return None
+    if name == "hf_recipe":
+        from transformers import CompileConfig
+
+        model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        return None
+    graphs = {"sw_full": "full", "sw_full_and_piecewise": {"mode": "full_and_piecewise"}}[name]
+    return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
+                               backend="inductor", cudagraphs=graphs if device == "cuda" else False,
+                               progress=False)
+
+
+class Step:
+    """The first decode step of a warm-up generation, to call again and again: its keyword
+    arguments (recorded from ``prepare_inputs_for_generation``) and the cache's token counters as
+    they were then. transformers >= 5.2x's static layers write at a counter they advance on the
+    device (``cumulative_length``), so the steps advance through the cache as decode does;
+    ``rewind()`` (outside every timed region) puts the counters back. Older transformers write at
+    ``cache_position``: every call writes the same slot."""
+
+    def __init__(self, name: str, model, ids: torch.Tensor, new: int) -> None:
+        seen: list[dict[str, Any]] = []
+        counters: list[tuple[torch.Tensor, torch.Tensor]] = []
+        prepare_inputs = model.prepare_inputs_for_generation
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            out = prepare_inputs(*args, **kwargs)
+            if out["input_ids"].shape[-1] == 1 and not seen:
+                # Copies (generate() advances its position tensors in place after a step), in their
+                # own layouts; an expanded tensor (a mask) is kept as it is (nothing writes it).
+                seen.append({k: v.clone() if isinstance(v, torch.Tensor) and 0 not in v.stride() else v
+                             for k, v in out.items()})
+                cache = out.get("cache", out.get("past_key_values"))
+                for layer in getattr(cache, "layers", ()):
+                    t = getattr(layer, "cumulative_length", None)
+                    if isinstance(t, torch.Tensor):
+                        counters.append((t, t.clone()))
+            return out
+
+        model.prepare_inputs_for_generation = spy
+        try:
+            with torch.no_grad():
+                model.generate(ids, do_sample=False, max_new_tokens=new, min_new_tokens=new)
+        finally:
+            model.prepare_inputs_for_generation = prepare_inputs
+        # generate() calls the forward with the inputs prepared and return_dict=True
+        self.kwargs, self.counters, self.room = {**seen[0], "return_dict": True}, counters, new - 2
+        if name == "hf_recipe":  # the compiled call generate() makes for decode steps
+            compiled = model.get_compiled_call(model.generation_config.compile_config)
+            self.call = lambda: compiled(**self.kwargs)
+        else:
+            self.call = lambda: model(**self.kwargs)
+
+    def rewind(self) -> None:
+        for t, was in self.counters:
+            t.copy_(was)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy (read plus write), median of 20."""
+    if device != "cuda":
+        return float("nan")
+    src = torch.randn(2**28, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def host_us(step: Step, device: str, n: int) -> float:
+    samples = []
+    step.rewind()
+    for _ in range(min(n, step.room)):
+        sync(device)
+        t0 = time.perf_counter()
+        step.call()
+        samples.append(time.perf_counter() - t0)
+    sync(device)
+    return 1e6 * statistics.median(samples)
+
+
+def spin_cycles_per_ms() -> float:
+    torch.cuda._sleep(1000)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(10_000_000)
+    b.record()
+    b.synchronize()
+    return 10_000_000 / a.elapsed_time(b)
+
+
+def gpu_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds: int) -> float:
+    """CUDA events around ``n`` steps issued behind a spin long enough for the host to issue all of them."""
+    samples = []
+    n = min(n, step.room)
+    for _ in range(rounds):
+        step.rewind()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(cycles_per_ms * (2 + 2 * n * host_step_us / 1e3)))
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            step.call()
+        b.record()
+        b.synchronize()
+        samples.append(a.elapsed_time(b) * 1e3 / n)
+    return statistics.median(samples)
+
+
+def profile(step: Step, device: str, steps: int) -> dict[str, Any]:
+    """Kernels, copies and memsets per step, and the GPU kernel time they add up to (torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    if device != "cuda":
+        return {}
+    steps = min(steps, step.room)
+    step.rewind()
+    sync(device)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step.call()
+        sync(device)
+    kernels = copies = memsets = 0
+    kernel_us = 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name.lower()
+        if "memset" in name:
+            memsets += 1
+        elif "memcpy" in name or "copy" in name:
+            copies += 1
+            kernels += "memcpy" not in name
+        else:
+            kernels += 1
+        kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+    return {"kernels_per_step": kernels / steps, "copies_per_step": copies / steps,
+            "memsets_per_step": memsets / steps, "kernel_us_per_step": round(kernel_us / steps, 1)}
+
+
+def generate_tokens_per_s(model, ids: torch.Tensor, new: int, device: str, repeats: int) -> float:
+    def timed(n: int) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+        sync(device)
+        return time.perf_counter() - t0
+
+    first = statistics.median(timed(1) for _ in range(repeats))
+    full = statistics.median(timed(new) for _ in range(repeats))
+    return round((new - 1) / max(full - first, 1e-9), 1)
+
+
+def check(shape: str, names: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Tokens against eager's in fp32 (a small model of the same widths), bf16 logits against fp32."""
+    out: dict[str, dict[str, Any]] = {}
+    ref32 = make_model(shape, args.device, torch.float32, args.check_layers)
+    ids = torch.randint(0, ref32.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(2))
+    ids = ids.to(args.device)
+    kw = dict(do_sample=False, max_new_tokens=16, min_new_tokens=16, return_dict_in_generate=True, output_logits=True)
+
+    def run(name: str, dtype: torch.dtype):
+        model = copy.deepcopy(ref32).to(dtype)
+        prepare(name, model, args.prompt, args.new, args.device)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            model.generate(ids, **kw)  # warm-up: compiles, captures
+            return model.generate(ids, **kw)
+
+    eager32 = run("eager", torch.float32)
+    for name in names:
+        try:
+            got32 = run(name, torch.float32)
+            same = torch.equal(got32.sequences, eager32.sequences)
+            got16 = run(name, torch.bfloat16) if args.device == "cuda" else got32
+            agree = int((got16.sequences[0] != eager32.sequences[0]).nonzero()[0, 0]) - args.prompt \
+                if not torch.equal(got16.sequences, eager32.sequences) else len(got16.logits)
+            errs = [float((a.float() - b).norm() / b.norm()) for a, b in
+                    zip(got16.logits[:agree + 1], eager32.logits[:agree + 1])]
+            out[name] = {"fp32_same_tokens_as_eager": same, "bf16_logits_rel_err_max": max(errs),
+                         "bf16_steps_compared": len(errs)}
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            out[name] = {"check_error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    names = args.contenders.split(",")
+    checks = check(shape, names, args) if args.check_layers else {}
+    base = make_model(shape, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in base.parameters()}.values())
+    cfg = base.config
+    ids = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1)).to(device)
+    rows: dict[str, dict[str, Any]] = {}
+    steps: dict[str, Step] = {}
+    models = {}
+    for name in names:
+        try:
+            model = copy.deepcopy(base)
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            fast = prepare(name, model, args.prompt, args.new, device)
+            step = Step(name, model, ids, args.new)
+            rows[name] = {"contender": name, "first_generate_s": round(time.perf_counter() - t0, 1),
+                          **checks.get(name, {})}
+            step.rewind()
+            with torch.no_grad():
+                for _ in range(min(10, step.room)):
+                    step.call()
+            steps[name], models[name] = step, model
+            if fast is not None:
+                rows[name].update(traces=fast.traces, direct_info=fast.direct_info)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rows[name] = {"contender": name, "error": f"{type(e).__name__}: {e}"[:300]}
+    del base
+    cycles = spin_cycles_per_ms() if device == "cuda" else 0.0
+    samples: dict[str, dict[str, list[float]]] = {n: {"host": [], "gpu": []} for n in steps}
+    with torch.no_grad():
+        for name, step in steps.items():
+            rows[name].update(profile(step, device, args.profile_steps))
+        for _ in range(args.rounds):  # interleaved: each round measures every contender once
+            for name, step in steps.items():
+                h = host_us(step, device, args.host_steps)
+                samples[name]["host"].append(h)
+                if device == "cuda":
+                    per_step = max(rows[name].get("kernels_per_step", 1) + rows[name].get("copies_per_step", 0), 1)
+                    n = max(1, min(args.gpu_steps, int(900 // per_step)))
+                    samples[name]["gpu"].append(gpu_us(step, n, h, cycles, 3))
+    floor_us = 1e6 * weight_bytes / bandwidth if device == "cuda" else float("nan")
+    for name in steps:
+        row = rows[name]
+        row["host_us_per_step"] = round(statistics.median(samples[name]["host"]), 1)
+        if samples[name]["gpu"]:
+            row["gpu_us_per_step"] = round(statistics.median(samples[name]["gpu"]), 1)
+            row["fraction_of_floor"] = round(floor_us / row["gpu_us_per_step"], 3)
+        row["generate_decode_tokens_per_s"] = generate_tokens_per_s(models[name], ids, args.new, device,
+                                                                    args.generate_repeats)
+        print({k: v for k, v in row.items() if k != "direct_info"}, flush=True)
+    return {"model": shape, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "weight_bytes": weight_bytes, "floor_us": round(floor_us, 1),
+            "kv_cache_bytes": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
+            * (args.prompt + args.new) * torch.finfo(dtype).bits // 8,
+            "rows": [rows[n] for n in names]}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [f"# Decode step: {result['hardware']}", "",
+             f"torch {result['torch']}, transformers {result['transformers']}, {result['date']}. Batch 1, bf16, "
+             f"static KV cache of {result['prompt'] + result['new']} tokens, the step at position "
+             f"{result['prompt'] + result['new'] - 1}. Copy bandwidth {result['copy_bandwidth_tb_s']} TB/s "
+             "(1 GiB device-to-device, read + write). Medians of "
+             f"{result['rounds']} interleaved rounds.", ""]
+    for m in result["models"]:
+        lines += [f"## {m['model']}: {m['layers']} layers, hidden {m['hidden']}, weights "
+                  f"{m['weight_bytes'] / 1e9:.2f} GB, floor {m['floor_us']} µs", "",
+                  "| contender | host µs/step | GPU µs/step | of the floor | kernels/step | copies/step | "
+                  "kernel µs/step | generate() tokens/s | traces | fp32 tokens = eager | bf16 logits rel. err. |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+        for r in m["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['contender']} | failed: {r['error'][:120]} |" + " |" * 10)
+                continue
+            err = r.get("bf16_logits_rel_err_max")
+            err = f"{err:.1e}" if isinstance(err, float) else r.get("check_error", "-")
+            lines.append(
+                f"| {r['contender']} | {r['host_us_per_step']} | {r.get('gpu_us_per_step', '-')} | "
+                f"{r.get('fraction_of_floor', '-')} | {r.get('kernels_per_step', '-')} | "
+                f"{r.get('copies_per_step', '-')} | {r.get('kernel_us_per_step', '-')} | "
+                f"{r['generate_decode_tokens_per_s']} | {r.get('traces', '-')} | "
+                f"{r.get('fp32_same_tokens_as_eager', '-')} | {err} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--models", default="1b,8b")
+    ap.add_argument("--tiny", action="store_true", help="the tiny model only (a smoke test)")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--host-steps", type=int, default=50)
+    ap.add_argument("--gpu-steps", type=int, default=50)
+    ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--generate-repeats", type=int, default=3)
+    ap.add_argument("--check-layers", type=int, default=2, help="layers of the correctness model (0: no check)")
+    args = ap.parse_args(argv)
+    import transformers
+
+    hardware = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    bandwidth = copy_bandwidth(args.device)
+    result: dict[str, Any] = {
+        "hardware": hardware, "torch": torch.__version__, "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "prompt": args.prompt, "new": args.new, "rounds": args.rounds,
+        "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2), "models": [],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for shape in (["tiny"] if args.tiny else args.models.split(",")):
+        result["models"].append(bench_model(shape, args, bandwidth))
+        (out / f"results_{'_'.join(args.models.split(','))}.json").write_text(json.dumps(result, indent=1))
+        (out / f"results_{'_'.join(args.models.split(','))}.md").write_text(markdown(result))
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+    print(markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
