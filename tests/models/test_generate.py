@@ -83,6 +83,20 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
         decode_steps += out.shape[1] - prompt.shape[1] - 1  # random weights may reach EOS early
     assert fast.traces == 2
     assert fast.direct_calls >= decode_steps - 1  # decode past Dynamo's frame into the replays, but the arming call
+    # transformers makes the cache's tensors inside the prefill trace, so they come unmarked: they
+    # are used where they are because they stayed there from the warm-up to the capture. Only the
+    # step's fresh inputs (the token, its position, the mask: a few elements each) are copied in,
+    # and nothing is written back.
+    from shapewise.dispatch.cudagraphs import graphed_pieces, staged_inputs
+
+    decode = fast.runnables[1].program
+    pieces = graphed_pieces(decode)
+    copied = [static for p in pieces for _, static in p.copy_slots] + \
+        [static for s in staged_inputs(decode) for _, static in s.slots]
+    assert pieces and all(p.graph is not None for p in pieces)
+    assert not any(p.write_back for p in pieces), [len(p.write_back) for p in pieces]
+    assert all(t.numel() <= 64 for t in copied), [tuple(t.shape) for t in copied]
+    assert sum(len(p.kept) for p in pieces) >= 4  # the 2 layers' keys and values
 
 
 def _greedy_equal(model, fast_options, prompts, new_tokens=10):
