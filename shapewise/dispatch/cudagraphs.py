@@ -9,10 +9,10 @@ Inputs that come from outside the graphs are copied into static buffers allocate
 largest captured size (a call copies into a prefix view): the caller's tensors once per call
 (``StagedInputs``; every piece then reads them in place), a splitting op's output once per piece
 that reads it. Parameters and the outputs of earlier captured pieces are used in place, as are
-tensors marked with ``torch._dynamo.mark_static_address`` and any input that is at the same
-address on the warm-up and the capture call (a KV cache the model keeps, marked or not: the graph
-reads and writes it there, no copy in or back); each replay checks those addresses, and an input
-that moved makes its size capture again with that input copied in. A piece with a host tensor
+tensors marked with ``torch._dynamo.mark_static_address`` and any input that is the same tensor,
+at the same address, on the warm-up and the capture call (a KV cache the model keeps, marked or
+not: the graph reads and writes it there, no copy in or back); each replay checks those
+addresses, and an input that moved makes its size capture again with that input copied in. A piece with a host tensor
 input is not captured (a replay would skip its host work) and runs as compiled. Graph outputs
 live in the pool and are overwritten by the next call, so the model's final outputs are cloned
 before they are returned (``copy_outputs``).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -80,10 +81,10 @@ class GraphedPiece:
         # Subclass inputs (DTensor weights): (input, its inner tensors' attributes, their addresses).
         self.fixed_inner: list[tuple[int, tuple[str, ...], tuple]] = []
         self.adopted: list[tuple[int, int, tuple[int, ...]]] = []  # (input, address, strides) read in place
-        # Inputs used where they were on the warm-up and capture calls (a KV cache the model keeps,
-        # a persistent buffer), whether or not anyone marked them: (input, address, strides).
+        # Inputs that were the same tensor, at the same address, on the warm-up and capture calls (a
+        # KV cache the model keeps, a persistent buffer), marked or not: (input, address, strides).
         self.kept: list[tuple[int, int, tuple[int, ...]]] = []
-        self.warm_at: dict[int, tuple[int, tuple[int, ...]]] = {}  # the last uncaptured call's addresses
+        self.warm_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # the warm-up's tensors
         self.moved_inputs: set[int] = set()  # inputs that moved once: copied in from then on
         self.mutated: set[int] = set()  # inputs the warm-up wrote in place (their version moved)
         self.warmed = False
@@ -165,7 +166,9 @@ class GraphedPiece:
             log.info("shapewise: %s at %s is not captured in a CUDA graph: %s", self.name, self.key, self.uncaptured)
             return self.fn(*args)
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
-        self.warm_at = {i: (a.data_ptr(), a.stride()) for i, a in enumerate(args)
+        # The tensors themselves (weakly), not only their addresses: a fresh input often lands where
+        # the last one was freed, and only a tensor the caller keeps is worth reading in place.
+        self.warm_at = {i: (weakref.ref(a), a.data_ptr(), a.stride()) for i, a in enumerate(args)
                         if isinstance(a, torch.Tensor) and not _compat.is_traceable_wrapper_subclass(a)}
         out = self.fn(*args)
         self.mutated = {i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v}
@@ -193,8 +196,9 @@ class GraphedPiece:
                 if adopt and i in self.adoptable and i not in self.mutated:  # (never a subclass: see _warm_up)
                     adopted.append((i, a.data_ptr(), a.stride()))  # where the splitting op put it
                     continue
-                if i not in self.moved_inputs and self.warm_at.get(i) == (at, a.stride()):
-                    kept.append((i, at, a.stride()))  # where it was on the warm-up too: read and written there
+                was = self.warm_at.get(i)
+                if i not in self.moved_inputs and was is not None and was[0]() is a and was[1:] == (at, a.stride()):
+                    kept.append((i, at, a.stride()))  # the warm-up's tensor, where it was: read and written there
                     continue
                 buf = self.buffers[i]
                 view = buf.view(self.key) if buf is not None else torch.empty_like(a)
@@ -276,9 +280,9 @@ class StagedInputs:
     buffers that every graph reads in place (a graph input several pieces read, such as the
     residual stream of the first layer, is not copied once per piece). Which inputs are staged
     is decided on the second call (the one that captures): the CUDA tensors that are not used at
-    their own address (``is_fixed``), that moved since the first call (one that stayed where it
-    was, a KV cache or a persistent buffer, is read where it is, as ``GraphedPiece`` reads it) and
-    that no piece writes in place (those keep the pieces' own copy-in and write-back)."""
+    their own address (``is_fixed``), that are not the first call's tensor again at its address (a
+    KV cache or a persistent buffer the caller keeps is read where it is, as ``GraphedPiece`` reads
+    it) and that no piece writes in place (those keep the pieces' own copy-in and write-back)."""
 
     def __init__(self, run: Callable[..., Any], key: tuple, pool: GraphPool, buffers: Sequence[StaticBuffer | None],
                  written: frozenset[int], group: SizeGraphs | None = None) -> None:
@@ -289,7 +293,7 @@ class StagedInputs:
         self.buffers = list(buffers)
         self.written = written
         self.slots: list[tuple[int, torch.Tensor]] | None = None
-        self.first_at: dict[int, int] | None = None  # the first call's addresses
+        self.first_at: dict[int, tuple[weakref.ref, int]] | None = None  # the first call's tensors, weakly
 
     def __call__(self, *args: Any) -> Any:
         group = self.group
@@ -297,8 +301,9 @@ class StagedInputs:
             group.resetting = False  # a new call: the size captures again, piece by piece in order
         slots = self.slots
         if slots is None:
-            if self.first_at is None:  # the pieces' warm-up: note where the caller's tensors are
-                self.first_at = {i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+            if self.first_at is None:  # the pieces' warm-up: note the caller's tensors
+                self.first_at = {i: (weakref.ref(a), a.data_ptr()) for i, a in enumerate(args)
+                                 if isinstance(a, torch.Tensor)}
                 return self.run(*args)
             slots = self._decide(args)
         if slots:
@@ -315,13 +320,17 @@ class StagedInputs:
             for i, a in enumerate(args):
                 buf = self.buffers[i] if i < len(self.buffers) else None
                 if buf is None or not isinstance(a, torch.Tensor) or not a.is_cuda or is_fixed(a) or i in self.written \
-                        or _compat.is_traceable_wrapper_subclass(a) or self.first_at.get(i) == a.data_ptr():
+                        or _compat.is_traceable_wrapper_subclass(a) or _same_tensor(self.first_at.get(i), a):
                     continue
                 static = buf.view(self.key)
                 live.add(static.data_ptr())  # the pieces read it in place, as an earlier graph's output
                 slots.append((i, static))
         self.slots = slots
         return slots
+
+
+def _same_tensor(was: tuple[weakref.ref, int] | None, a: torch.Tensor) -> bool:
+    return was is not None and was[0]() is a and was[1] == a.data_ptr()
 
 
 def address(t: torch.Tensor) -> int | tuple:

@@ -151,3 +151,17 @@ def test_staged_inputs_copy_only_what_moved_between_the_first_two_calls(events):
         staged(x, kept)
     assert [i for i, _ in staged.slots] == [0]  # the fresh input, staged once for every piece
     assert [i for i, *_ in piece.kept] == [1] and piece.copy_slots == []  # (0: a staged buffer, live)
+
+
+def test_a_fresh_input_where_the_last_one_was_freed_is_still_copied(events):
+    # The caching allocator often puts a new input where the last one was: same address, another
+    # tensor. Only the warm-up's own tensor, still there, is read in place.
+    pool = GraphPool()
+    storage = torch.randn(4)
+    cache = _cuda(torch.zeros(4))
+    piece = GraphedPiece(lambda x, kv: _cuda(x + kv), "forward", (4,), pool, [None, None])
+    first, second = _cuda(storage), _cuda(storage)  # two tensors at one address
+    assert first.data_ptr() == second.data_ptr() and first is not second
+    piece(first, cache)
+    piece(second, cache)
+    assert [i for i, _ in piece.copy_slots] == [0] and [i for i, *_ in piece.kept] == [1]
