@@ -54,30 +54,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shapewise as sw  # noqa: E402
+from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_and_piecewise")
 SHAPES = {
-    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-               num_key_value_heads=8, tie_word_embeddings=True, rope_theta=500000.0),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, tie_word_embeddings=False, rope_theta=500000.0),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=True),
+    "1b": LLAMA_1B,
+    "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "tie_word_embeddings": False},
+    "tiny": TINY,
 }
 
 
 def make_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None):
-    import transformers
-
-    cfg = transformers.LlamaConfig(vocab_size=256 if shape == "tiny" else 128256, max_position_embeddings=4096,
-                                   **SHAPES[shape])
-    if layers:
-        cfg.num_hidden_layers = layers
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
-    model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
-    return model
+    return llama(SHAPES[shape], device, dtype, layers)
 
 
 def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
@@ -141,11 +130,6 @@ class Step:
     def rewind(self) -> None:
         for t, was in self.counters:
             t.copy_(was)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device: str) -> float:

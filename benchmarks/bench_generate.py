@@ -58,16 +58,18 @@ from shapewise._compat import dynamo_unique_graphs  # noqa: E402
 CONTENDERS = ("eager", "hf_recipe", "shapewise", "shapewise_frame", "shapewise_dyncache", "shapewise_dyncache_frame")
 
 
-def make_model(tiny: bool, device: str, dtype: torch.dtype, layers: int | None):
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, rope_theta=500000.0,
+                tie_word_embeddings=True)
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+
+
+def llama(shape: dict[str, Any], device: str, dtype: torch.dtype, layers: int | None = None):
+    """A ``LlamaForCausalLM`` of config ``shape`` with random weights (seed 0), SDPA, no EOS."""
     import transformers
 
-    if tiny:
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    else:
-        cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                                       num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                                       max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(**shape)
     if layers:
         cfg.num_hidden_layers = layers
     cfg._attn_implementation = "sdpa"
@@ -75,6 +77,10 @@ def make_model(tiny: bool, device: str, dtype: torch.dtype, layers: int | None):
     model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
     return model
+
+
+def make_model(tiny: bool, device: str, dtype: torch.dtype, layers: int | None):
+    return llama(TINY if tiny else LLAMA_1B, device, dtype, layers)
 
 
 def sync(device: str) -> None:

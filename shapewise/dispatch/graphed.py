@@ -84,7 +84,7 @@ class GraphedPiece:
         # Inputs that were the same tensor, at the same address, on the warm-up and capture calls (a
         # KV cache the model keeps, a persistent buffer), marked or not: (input, address, strides).
         self.kept: list[tuple[int, int, tuple[int, ...]]] = []
-        self.warm_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # the warm-up's tensors
+        self.warm_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # the warm-up's tensors (_seen)
         self.moved_inputs: set[int] = set()  # inputs that moved once: copied in from then on
         self.mutated: set[int] = set()  # inputs the warm-up wrote in place (their version moved)
         self.warmed = False
@@ -166,10 +166,7 @@ class GraphedPiece:
             log.info("shapewise: %s at %s is not captured in a CUDA graph: %s", self.name, self.key, self.uncaptured)
             return self.fn(*args)
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in args]
-        # The tensors themselves (weakly), not only their addresses: a fresh input often lands where
-        # the last one was freed, and only a tensor the caller keeps is worth reading in place.
-        self.warm_at = {i: (weakref.ref(a), a.data_ptr(), a.stride()) for i, a in enumerate(args)
-                        if isinstance(a, torch.Tensor) and not _compat.is_traceable_wrapper_subclass(a)}
+        self.warm_at = _seen(args)
         out = self.fn(*args)
         self.mutated = {i for i, (a, v) in enumerate(zip(args, versions)) if v is not None and a._version != v}
         return out
@@ -196,8 +193,7 @@ class GraphedPiece:
                 if adopt and i in self.adoptable and i not in self.mutated:  # (never a subclass: see _warm_up)
                     adopted.append((i, a.data_ptr(), a.stride()))  # where the splitting op put it
                     continue
-                was = self.warm_at.get(i)
-                if i not in self.moved_inputs and was is not None and was[0]() is a and was[1:] == (at, a.stride()):
+                if i not in self.moved_inputs and _same_tensor(self.warm_at.get(i), a):
                     kept.append((i, at, a.stride()))  # the warm-up's tensor, where it was: read and written there
                     continue
                 buf = self.buffers[i]
@@ -293,7 +289,7 @@ class StagedInputs:
         self.buffers = list(buffers)
         self.written = written
         self.slots: list[tuple[int, torch.Tensor]] | None = None
-        self.first_at: dict[int, tuple[weakref.ref, int]] | None = None  # the first call's tensors, weakly
+        self.first_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] | None = None  # the first call's (_seen)
 
     def __call__(self, *args: Any) -> Any:
         group = self.group
@@ -302,8 +298,7 @@ class StagedInputs:
         slots = self.slots
         if slots is None:
             if self.first_at is None:  # the pieces' warm-up: note the caller's tensors
-                self.first_at = {i: (weakref.ref(a), a.data_ptr()) for i, a in enumerate(args)
-                                 if isinstance(a, torch.Tensor)}
+                self.first_at = _seen(args)
                 return self.run(*args)
             slots = self._decide(args)
         if slots:
@@ -329,8 +324,17 @@ class StagedInputs:
         return slots
 
 
-def _same_tensor(was: tuple[weakref.ref, int] | None, a: torch.Tensor) -> bool:
-    return was is not None and was[0]() is a and was[1] == a.data_ptr()
+def _seen(args: tuple) -> dict[int, tuple[weakref.ref, int, tuple[int, ...]]]:
+    """Per plain tensor argument: the tensor (weakly), its address and strides. The tensor itself,
+    not only its address: a fresh input often lands where the last one was freed, and only a
+    tensor the caller keeps is worth reading in place."""
+    return {i: (weakref.ref(a), a.data_ptr(), a.stride()) for i, a in enumerate(args)
+            if isinstance(a, torch.Tensor) and not _compat.is_traceable_wrapper_subclass(a)}
+
+
+def _same_tensor(was: tuple[weakref.ref, int, tuple[int, ...]] | None, a: torch.Tensor) -> bool:
+    """Whether ``a`` is the tensor ``_seen`` noted, still at its address and strides."""
+    return was is not None and was[0]() is a and was[1:] == (a.data_ptr(), a.stride())
 
 
 def address(t: torch.Tensor) -> int | tuple:
