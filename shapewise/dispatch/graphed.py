@@ -24,6 +24,10 @@ __all__ = ["GraphPool", "GraphedPiece", "SizeGraphs", "StagedInputs", "StaticBuf
 
 log = logging.getLogger("shapewise")
 
+# An input used in place that moves after this many replays of its graph is captured in place
+# again (a cache made per generate() call); one that moves sooner is copied in from then on.
+KEEP_AFTER = 8
+
 
 class GraphPool:
     """The memory pool and the addresses of graph outputs, per captured size."""
@@ -32,6 +36,9 @@ class GraphPool:
         self.handle = None
         self.static_ptrs: dict[tuple, set[int]] = {}
         self.lock = threading.Lock()
+        # Graphs dropped to be captured again, kept until a capture replaces them: the allocator
+        # frees a pool that no graph uses, and refuses a capture into it (an internal assert).
+        self.retired: list[torch.cuda.CUDAGraph] = []
 
     def get(self):
         if self.handle is None:
@@ -85,7 +92,8 @@ class GraphedPiece:
         # KV cache the model keeps, a persistent buffer), marked or not: (input, address, strides).
         self.kept: list[tuple[int, int, tuple[int, ...]]] = []
         self.warm_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # the warm-up's tensors (_seen)
-        self.moved_inputs: set[int] = set()  # inputs that moved once: copied in from then on
+        self.moved_inputs: set[int] = set()  # inputs that moved soon after a capture: copied in from then on
+        self.replays = 0  # since the last capture
         self.mutated: set[int] = set()  # inputs the warm-up wrote in place (their version moved)
         self.warmed = False
         self.uncaptured: str | None = None  # why this piece runs without a graph (a host tensor input)
@@ -95,7 +103,10 @@ class GraphedPiece:
     def __call__(self, *args: Any) -> Any:
         graph = self.graph
         if graph is None:
-            if self.uncaptured or (self.group is not None and self.group.resetting):
+            if self.uncaptured:
+                return self.fn(*args)
+            if self.group is not None and self.group.resetting:  # the rest of a call that captures again
+                self.warm_at = _seen(args)
                 return self.fn(*args)
             return self._capture(args) if self.warmed else self._warm_up(args)
         for i, ptr in self.fixed_slots:
@@ -118,6 +129,7 @@ class GraphedPiece:
                 return self._kept_moved(args, i)
         for i, static in self.copy_slots:
             static.copy_(args[i])
+        self.replays += 1
         graph.replay()
         for i, static in self.write_back:
             args[i].copy_(static)
@@ -133,11 +145,17 @@ class GraphedPiece:
         return self.fn(*args)
 
     def _kept_moved(self, args: tuple, i: int) -> Any:
-        """An input used in place is elsewhere this call (it was where it was twice by chance, or
-        its owner made it anew): capture again, with that input copied in from now on."""
-        log.warning("shapewise: %s at %s: input %d is not where the warm-up and the capture found it; capturing "
-                    "this size again on the next call, with that input copied in", self.name, self.key, i)
-        self.moved_inputs.add(i)
+        """An input used in place is elsewhere this call. Its owner made it anew (transformers
+        makes a new static cache per ``generate()``): the next call captures again, reading this
+        call's tensor in place if it is still there. One that moved within ``KEEP_AFTER`` replays
+        of its capture comes fresh each call after all: copied in from then on."""
+        copied = self.replays < KEEP_AFTER
+        (log.warning if copied else log.info)(
+            "shapewise: %s at %s: input %d is not where the capture found it (after %d replays); capturing this "
+            "size again on the next call%s", self.name, self.key, i, self.replays,
+            ", with that input copied in" if copied else "")
+        if copied:
+            self.moved_inputs.add(i)
         if self.group is not None:
             self.group.recapture(self, i)
         else:
@@ -145,6 +163,7 @@ class GraphedPiece:
             with self.pool.lock:
                 self.reset(self.pool.static_ptrs.setdefault(self.key, set()))
         self.recaptures += 1
+        self.warm_at = _seen(args)
         return self.fn(*args)
 
     def _warm_up(self, args: tuple) -> Any:
@@ -212,7 +231,8 @@ class GraphedPiece:
             self.fixed_slots, self.fixed_inner, self.copy_slots = fixed, inner, copies
             self.write_back, self.adopted, self.kept = write_back, adopted, kept
             self.outputs = outputs
-            self.graph = graph
+            self.graph, self.replays = graph, 0
+            self.pool.retired.clear()
         graph.replay()
         for i, static in self.write_back:
             args[i].copy_(static)
@@ -223,6 +243,8 @@ class GraphedPiece:
         """Drop the graph; the piece captures again on its next call (``SizeGraphs.moved``)."""
         for t in tensors_of(self.outputs):
             live.discard(address(t))
+        if self.graph is not None:
+            self.pool.retired.append(self.graph)
         self.graph, self.outputs = None, None
         self.fixed_slots, self.fixed_inner, self.copy_slots, self.write_back, self.adopted = [], [], [], [], []
         self.kept = []

@@ -110,8 +110,8 @@ def test_graphs_may_read_in_place_every_attention_output():
 def test_an_input_where_it_was_is_used_in_place_a_fresh_one_is_copied_and_a_moved_one_recaptures(events):
     # A KV cache the model keeps (unmarked: transformers makes a static cache's tensors inside the
     # trace) is at one address on the warm-up and the capture: read and written there, no copy in or
-    # back. The caller's fresh input is copied in. A tensor used in place that moves later makes the
-    # graph capture again, with it copied in from then on.
+    # back. The caller's fresh input is copied in. A tensor used in place that moves within a few
+    # replays makes the graph capture again, with it copied in from then on.
     pool = GraphPool()
     cache = _cuda(torch.zeros(4))
 
@@ -134,6 +134,28 @@ def test_an_input_where_it_was_is_used_in_place_a_fresh_one_is_copied_and_a_move
     assert events == ["capture forward", "replay", "replay"] and piece.recaptures == 1
     assert piece.kept == [] and sorted(i for i, _ in piece.copy_slots) == [0, 1]
     assert [i for i, _ in piece.write_back] == [1]  # copied in, so the graph's write goes back to the caller's
+
+
+def test_a_cache_made_anew_per_generate_is_captured_in_place_again(events):
+    # transformers makes a new static cache per generate() call: its tensors move after a whole
+    # generation of replays. The graph captures again reading the new cache in place (no copies),
+    # and the dropped graph stays alive until the new capture (the allocator refuses a capture
+    # into a pool no graph holds).
+    pool = GraphPool()
+    piece = GraphedPiece(lambda x, kv: _cuda(kv.add_(x) * 2), "forward", (4,), pool, [None, None])
+    fresh = [_cuda(torch.randn(4)) for _ in range(30)]
+    for cache in (_cuda(torch.zeros(4)), _cuda(torch.zeros(4))):  # two generate() calls
+        for x in fresh[:14]:
+            piece(x, cache)
+        assert [i for i, *_ in piece.kept] == [1] and [i for i, _ in piece.copy_slots] == [0]
+        assert piece.write_back == [] and pool.retired == []
+    assert piece.recaptures == 1 and piece.moved_inputs == set()
+    assert events.count("capture forward") == 2 and events.count("warm-up forward") == 1
+    old = piece.graph
+    piece(fresh[0], _cuda(torch.zeros(4)))  # moved again: dropped, held until the next capture
+    assert piece.graph is None and pool.retired == [old]
+    piece(fresh[1], _cuda(torch.zeros(4)))  # a fresh tensor again: copied, captured; the old graph goes
+    assert piece.graph is not None and pool.retired == [] and [i for i, _ in piece.copy_slots] == [0, 1]
 
 
 def test_staged_inputs_copy_only_what_moved_between_the_first_two_calls(events):

@@ -193,13 +193,17 @@ def sweep_zoo(args: argparse.Namespace, device: torch.device) -> dict[str, dict]
         fast = sw.compile(part, dynamic_dims={"input_ids": 1}, sizes=[1, 4], splitting_ops=["sdpa"],
                           backend="aot_eager", cache=False, progress=False, direct_call=True)
         worst = 0.0
-        with torch.no_grad():
-            for n in (1, 4, 1, 4):
-                ids = torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
-                got, want = (m(input_ids=ids, use_cache=False).logits for m in (fast, full))
-                worst = max(worst, float((got - want).norm() / want.norm()))
-        out[name] = {"dtensor_weights": sum(isinstance(p, DTensor) for p in part.parameters()),
-                     "traces": fast.traces, "max_rel_error": worst, "direct_info": fast.direct_info}
+        out[name] = {"dtensor_weights": sum(isinstance(p, DTensor) for p in part.parameters())}
+        try:
+            with torch.no_grad():
+                for n in (1, 4, 1, 4):
+                    ids = torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)).to(device)
+                    got, want = (m(input_ids=ids, use_cache=False).logits for m in (fast, full))
+                    worst = max(worst, float((got - want).norm() / want.norm()))
+        except sw.ShapewiseError as e:  # the test says which refusals are known
+            out[name]["refused"] = str(e).splitlines()[0]
+            continue
+        out[name].update(traces=fast.traces, max_rel_error=worst, direct_info=fast.direct_info)
     return out
 
 

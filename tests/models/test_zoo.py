@@ -160,8 +160,8 @@ def test_encoder_inductor():
     fast = sw.compile(model_of("bert"), dynamic_dims=ENC_DIMS, sizes={"batch": [1, 2], "seq": [8]},
                       splitting_ops=["sdpa"], backend="inductor")
     check_encoder("bert", fast, [(2, 8), (1, 8)])
-    assert fast.traces == 1
-    assert [key for _, key in _rows(fast)] == ["{batch=1, seq=8}", "{batch=2, seq=8}"]
+    _one_trace_or_batch_1_apart(fast, "batch")
+    assert sorted(key for _, key in _rows(fast)) == ["{batch=1, seq=8}", "{batch=2, seq=8}"]
 
 
 # -- T5: encoder and decoder lengths named apart -----------------------------------------------
@@ -212,7 +212,16 @@ def test_vit_inductor():
     fast = sw.compile(model_of("vit"), dynamic_dims={"pixel_values": 0}, sizes=[1, 2], splitting_ops=["sdpa"],
                       backend="inductor")
     check_vit(fast, (2, 1))
-    assert fast.traces == 1
+    _one_trace_or_batch_1_apart(fast, "n")
+
+
+def _one_trace_or_batch_1_apart(fast, dim):
+    """One trace; or, where Dynamo's SDPA guards batch != 1 (torch 2.11 with transformers 5.17, the
+    GPU machine: "skipping {batch=1}: contradicts the trace's guard Ne(batch, 1)"), a second one
+    for batch 1, serving only it."""
+    if fast.traces != 1:
+        assert fast.traces == 2 and {t for t, _ in _rows(fast)} == {"1", f"2 ({dim}=1)"}, _rows(fast)
+        assert all(f"{dim}=1" in key for t, key in _rows(fast) if t != "1"), _rows(fast)
 
 
 # -- the "shapewise" torch.compile backend (dynamic=True: plain sizes bind dim 0, the batch) ---
