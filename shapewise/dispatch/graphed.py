@@ -25,8 +25,9 @@ __all__ = ["GraphPool", "GraphedPiece", "SizeGraphs", "StagedInputs", "StaticBuf
 log = logging.getLogger("shapewise")
 
 # An input used in place that moves after this many replays of its graph is captured in place
-# again (a cache made per generate() call); one that moves sooner is copied in from then on.
-KEEP_AFTER = 8
+# again (a cache made per generate() call, which may stop early at an end token); one that moves
+# sooner (a tensor the caller alternates) is copied in from then on.
+KEEP_AFTER = 2
 
 
 class GraphPool:
