@@ -426,7 +426,7 @@ class ShapewiseModule:
         self._local.tracing, self._local.fixed = True, fixed
         try:
             with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget(), \
-                    _compat.dynamic_int_sources(self._int_sources):
+                    _compat.dynamic_int_sources(self._int_sources), _compat.quiet_guard_errors():
                 out = self._compiled(*args, **kwargs)
         finally:
             self._local.tracing, self._local.fixed = False, None

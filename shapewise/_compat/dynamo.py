@@ -16,7 +16,8 @@ __all__ = [
     "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "copy_graph_module",
     "dynamic_int_sources", "dynamo_unique_graphs", "has_static_address", "is_graph_break",
     "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "held_at", "member_name",
-    "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "rank_and_world",
+    "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "quiet_guard_errors",
+    "rank_and_world",
     "scalars_passed_as_tensors", "size_source", "source_name", "specialise_scalar_inputs", "storage_key",
     "STORED_TENSOR", "StoredSize", "NOT_SET", "trace_side_effects", "unmark_dynamic",
 ]
@@ -33,6 +34,27 @@ def own_recompile_budget(extra: int = 1024) -> Iterator[None]:
     with dynamo_config.patch(recompile_limit=dynamo_config.recompile_limit + extra,
                              accumulated_recompile_limit=dynamo_config.accumulated_recompile_limit + extra):
         yield
+
+
+class _GuardErrorFilter:
+    """Drops the two records Dynamo logs when a guard cannot be made ("Error while creating
+    guard", "Created at"): the error is raised too, and shapewise handles it (a dim marked dynamic
+    that the model specialised: traced again with it fixed) or raises it with its message."""
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith(("Error while creating guard", "Created at:"))
+
+
+@contextlib.contextmanager
+def quiet_guard_errors() -> Iterator[None]:
+    import logging
+
+    logger, flt = logging.getLogger("torch._guards"), _GuardErrorFilter()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
 
 
 @contextlib.contextmanager
