@@ -168,8 +168,9 @@ def test_sliding_window_decode_is_a_fixed_number_of_traces(static_cache):
     # Prompts past the window: prefill and decode, two traces whatever the prompt's length (prefill
     # hands decode its window laid out as decode's own steps lay it out, not as a slice of the prompt).
     fast = _greedy_equal(model, options, _prompts(12, 10), new_tokens=6)
-    # A static cache's sliding layers make Dynamo fix a prompt range's length (one prefill trace per
-    # length in it: the 4-d mask's width is specialised), so there prompt 10 is a trace of its own.
+    # With a static cache a prompt range's length is fixed per prompt (one prefill trace per length
+    # in it): the 4-d prefill mask's dim 2 (the prompt's length) is not marked, so it is a constant,
+    # and SDPA's broadcast with the keys (Eq(10, s27)) fixes seq to it. Prompt 10 is a trace of its own.
     assert fast.traces == (3 if static_cache else 2), fast.report()
     # A prompt inside the window adds the model's other branches: its prefill, decode while the
     # window fills, and the step that fills it. Never a trace per token.
