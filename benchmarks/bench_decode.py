@@ -12,7 +12,9 @@ Contenders (each on its own copy of the weights):
                fullgraph=True)`` of the forward (``generate()``'s ``CompileConfig``);
   sw_full      ``sw.compile_generate(..., static_cache=True, cudagraphs="full")``;
   sw_full_and_piecewise   the same with ``cudagraphs={"mode": "full_and_piecewise"}`` (decode,
-               one token, is a full graph; prefill piecewise).
+               one token, is a full graph; prefill piecewise);
+  sw_full_unsplit   ``sw_full`` with ``splitting_ops=()``: the forward one Inductor compile, not
+               pieces split at SDPA (Inductor fuses across the attention, as in the recipe).
 
 The decode step is the call ``generate()`` makes: its arguments are recorded from
 ``prepare_inputs_for_generation`` at the last decode step of a warm-up generation (input_ids
@@ -56,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shapewise as sw  # noqa: E402
 from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
-CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_and_piecewise")
+CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_and_piecewise", "sw_full_unsplit")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -80,10 +82,12 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
 
         model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
         return None
-    graphs = {"sw_full": "full", "sw_full_and_piecewise": {"mode": "full_and_piecewise"}}[name]
+    graphs = {"sw_full": "full", "sw_full_and_piecewise": {"mode": "full_and_piecewise"},
+              "sw_full_unsplit": "full"}[name]
+    split = {"splitting_ops": ()} if name == "sw_full_unsplit" else {}
     return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
                                backend="inductor", cudagraphs=graphs if device == "cuda" else False,
-                               progress=False)
+                               progress=False, **split)
 
 
 class Step:
@@ -161,6 +165,31 @@ def host_us(step: Step, device: str, n: int) -> float:
         samples.append(time.perf_counter() - t0)
     sync(device)
     return 1e6 * statistics.median(samples)
+
+
+def host_profile(step: Step, device: str, n: int) -> tuple[list[dict[str, Any]], str]:
+    """cProfile over ``n`` steps (each on an idle GPU, as ``host_us``): the functions with the most
+    own time, in µs per step, and the whole table as text."""
+    import cProfile
+    import io
+    import pstats
+
+    step.rewind()
+    n = min(n, step.room)
+    prof = cProfile.Profile()
+    for _ in range(n):
+        sync(device)
+        prof.enable()
+        step.call()
+        prof.disable()
+    sync(device)
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # (file, line, name): (cc, nc, tottime, ...)
+    top = [{"function": f"{Path(f).name}:{line}:{name}", "calls_per_step": round(nc / n, 1),
+            "own_us_per_step": round(1e6 * tt / n, 1)} for (f, line, name), (_, nc, tt, _, _) in rows[:25]]
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    return top, text.getvalue()
 
 
 def spin_cycles_per_ms() -> float:
@@ -316,6 +345,12 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
                     per_step = max(rows[name].get("kernels_per_step", 1) + rows[name].get("copies_per_step", 0), 1)
                     n = max(1, min(args.gpu_steps, int(900 // per_step)))
                     samples[name]["gpu"].append(gpu_us(step, n, h, cycles, 3))
+        for name, step in steps.items():
+            if args.host_profile and name != "eager":
+                top, text = host_profile(step, device, args.host_profile)
+                rows[name]["host_profile_top"] = top
+                out = Path(args.out)
+                (out / f"host_profile_{shape}_{name}.txt").write_text(text)
     floor_us = 1e6 * weight_bytes / bandwidth if device == "cuda" else float("nan")
     for name in steps:
         row = rows[name]
@@ -325,7 +360,7 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
             row["fraction_of_floor"] = round(floor_us / row["gpu_us_per_step"], 3)
         row["generate_decode_tokens_per_s"] = generate_tokens_per_s(models[name], ids, args.new, device,
                                                                     args.generate_repeats)
-        print({k: v for k, v in row.items() if k != "direct_info"}, flush=True)
+        print({k: v for k, v in row.items() if k not in ("direct_info", "host_profile_top")}, flush=True)
     return {"model": shape, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "weight_bytes": weight_bytes, "floor_us": round(floor_us, 1),
             "kv_cache_bytes": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
@@ -376,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gpu-steps", type=int, default=50)
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--generate-repeats", type=int, default=3)
+    ap.add_argument("--host-profile", type=int, default=0, help="cProfile this many steps per contender (0: none)")
     ap.add_argument("--check-layers", type=int, default=2, help="layers of the correctness model (0: no check)")
     args = ap.parse_args(argv)
     import transformers

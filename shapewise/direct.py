@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import operator
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -162,6 +161,7 @@ class DirectCall:
                 return f"argument {name!r} is a {type(value).__name__}: only tensors and constants are checked"
         # Inside arguments: read and checked in a try (what fails to read or compare is a miss).
         reads: list[str] = []
+        batch: list[tuple] = []  # contiguous tensors inside arguments, checked by one C++ call
         objects: dict[tuple, Any] = {}  # a place that holds an object the call reads inside: the object
         for place in dict.fromkeys(places):
             name, steps = place
@@ -194,7 +194,7 @@ class DirectCall:
                     return f"the graph reads inside a tensor ({checks.spell_place(place)})"
                 else:
                     why = self._check_tensor(reads, env, var, inner, self.traced.get(inner) or checks.seen(value),
-                                             checks.spell_place(inner), symbols)
+                                             checks.spell_place(inner), symbols, batch, value)
                     if why:
                         return why
         stored = {(st[0], st[1]): st[3] for st in self.stores if st[0] is not None}
@@ -222,6 +222,9 @@ class DirectCall:
                 reads.append(f"h{k} = H{k}")
                 before = {a: w for p, a, _n, w, h in self.stores if p is None and h is held}
                 checks.check_object(reads, env, f"h{k}", held, before, set(), {})
+        if batch:
+            env["TG"] = _compat.tensor_checks(*zip(*(b[1:] for b in batch)))
+            reads.append(f"if not TG.check({', '.join(b[0] for b in batch)}): return MISS")
         if reads:
             body += ["try:", *("    " + line for line in reads),
                      "except Exception:", "    return MISS"]
@@ -276,48 +279,14 @@ class DirectCall:
         return None
 
     def _check_tensor(self, body: list[str], env: dict, var: str, place: tuple, seen: tuple, label: str,
-                      symbols: dict[sympy.Symbol, str]) -> str | None:
-        """Append the checks Dynamo's guards make of a tensor: type, dtype, device, grad, rank,
-        contiguity, its fixed sizes, and one value per dynamic size (``seen``: ``_seen`` of the
-        tensor the trace saw). Why not, if it cannot."""
-        (cls, dtype, device, shape, grad), contiguous = seen
-        if cls is not torch.Tensor:
-            return f"{label} is a {cls.__name__}, not a plain tensor"
-        strides = self.strides.get(place)
-        if not contiguous and (strides is None or place not in self.dims):
-            return f"{label} is not contiguous"
-        n = len(env)
-        env[f"D{n}"], env[f"V{n}"] = dtype, device
-        body.append(f"if type({var}) is not Tensor or {var}.dtype is not D{n} or {var}.device != V{n} "
-                    f"or {var}.requires_grad is not {grad} or {var}.dim() != {len(shape)}"
-                    + (f" or not {var}.is_contiguous(): return MISS" if contiguous else ": return MISS"))
+                      symbols: dict[sympy.Symbol, str], batch: list[tuple] | None = None,
+                      example: torch.Tensor | None = None) -> str | None:
+        """``direct_checks.check_tensor`` of the tensor at ``place``, with the sizes and strides the trace gave it."""
+        shape = seen[0][3]
         traced = self.dims.get(place) or tuple(self.sizes.get((place, d), sympy.Integer(size))
                                                for d, size in enumerate(shape))
-        fixed = [(d, int(e)) for d, e in enumerate(traced) if e.is_Integer]
-        if fixed:
-            env[f"S{n}"] = operator.itemgetter(*(d for d, _ in fixed))
-            want = tuple(v for _, v in fixed) if len(fixed) > 1 else fixed[0][1]
-            body.append(f"if S{n}({var}.shape) != {want!r}: return MISS")
-        for d, e in enumerate(traced):
-            if e.is_Integer:
-                continue
-            if not e.is_Symbol:
-                return f"dim {d} of {label} is sized {e}, an expression of dynamic sizes"
-            if e in symbols:
-                body.append(f"if {var}.shape[{d}] != {symbols[e]}: return MISS")
-            else:
-                symbols[e] = f"{var}.shape[{d}]"
-        if not contiguous:  # a view: its strides and offset as Dynamo guards them (symbols, or as traced)
-            for d, e in enumerate(strides):
-                read = f"{var}.stride({d})" if d < len(shape) else f"{var}.storage_offset()"
-                if e.is_Symbol and e not in symbols:
-                    symbols[e] = read
-                    continue
-                try:
-                    body.append(f"if {read} != {python_expr(e, symbols)}: return MISS")
-                except (NotImplementedError, KeyError):
-                    return f"the layout of {label} is {strides}, which a direct call cannot check"
-        return None
+        strides = self.strides.get(place) if place in self.dims else None
+        return checks.check_tensor(body, env, var, seen, label, symbols, traced, strides, batch, example)
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import sympy
@@ -24,7 +25,8 @@ import torch
 from shapewise import _compat
 from shapewise.dispatch.guards import python_expr
 
-__all__ = ["CONSTANT_TYPES", "before_value", "check_object", "distinct", "pattern", "seen", "tensor_meta"]
+__all__ = ["CONSTANT_TYPES", "before_value", "check_object", "check_tensor", "distinct", "pattern", "seen",
+           "tensor_meta"]
 
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -203,3 +205,68 @@ def follow(named: dict[str, Any], place: tuple) -> Any:
 
 def spell_place(place: tuple) -> str:
     return place[0] + "".join(f".{k}" if kind == "attr" else f"[{k!r}]" for kind, k in place[1])
+
+
+def check_tensor(body: list[str], env: dict, var: str, seen: tuple, label: str, symbols: dict[sympy.Symbol, str],
+                 traced: tuple, strides: tuple | None, batch: list[tuple] | None = None,
+                 example: torch.Tensor | None = None) -> str | None:
+    """Append the checks Dynamo's guards make of a tensor: type, dtype, device, grad, rank,
+    contiguity, its fixed sizes, and one value per dynamic size (``seen``: ``_seen`` of the
+    tensor the trace saw; ``traced``: its sizes as the trace has them, symbols or ints; ``strides``:
+    a view's, as Dynamo guards them). Why not, if it cannot. ``batch``: a contiguous tensor's type,
+    dtype, device, grad, rank, fixed sizes and (all of them fixed) strides go there, to one
+    C++ check of them all (``_compat.tensor_checks``), with ``example``, a tensor like it."""
+    (cls, dtype, device, shape, grad), contiguous = seen
+    if cls is not torch.Tensor:
+        return f"{label} is a {cls.__name__}, not a plain tensor"
+    if not contiguous and strides is None:
+        return f"{label} is not contiguous"
+    fixed = [(d, int(e)) for d, e in enumerate(traced) if e.is_Integer]
+    n = len(env)
+    if batch is not None and contiguous and example is not None and type(example) is torch.Tensor and (
+            example.dtype, example.device, example.requires_grad) == (dtype, device, grad):
+        sizes = [int(e) if e.is_Integer else None for e in traced]
+        static = None not in sizes and 0 not in sizes
+        batch.append((var, example, sizes, _contiguous_strides(sizes) if static else [None] * len(sizes)))
+        if not static:
+            body.append(f"if not {var}.is_contiguous(): return MISS")
+        fixed = []
+    else:
+        env[f"D{n}"], env[f"V{n}"] = dtype, device
+        body.append(f"if type({var}) is not Tensor or {var}.dtype is not D{n} or {var}.device != V{n} "
+                    f"or {var}.requires_grad is not {grad} or {var}.dim() != {len(shape)}"
+                    + (f" or not {var}.is_contiguous(): return MISS" if contiguous else ": return MISS"))
+    if fixed:
+        env[f"S{n}"] = operator.itemgetter(*(d for d, _ in fixed))
+        want = tuple(v for _, v in fixed) if len(fixed) > 1 else fixed[0][1]
+        body.append(f"if S{n}({var}.shape) != {want!r}: return MISS")
+    for d, e in enumerate(traced):
+        if e.is_Integer:
+            continue
+        if not e.is_Symbol:
+            return f"dim {d} of {label} is sized {e}, an expression of dynamic sizes"
+        if e in symbols:
+            body.append(f"if {var}.shape[{d}] != {symbols[e]}: return MISS")
+        else:
+            symbols[e] = f"{var}.shape[{d}]"
+    if not contiguous:  # a view: its strides and offset as Dynamo guards them (symbols, or as traced)
+        for d, e in enumerate(strides):
+            read = f"{var}.stride({d})" if d < len(shape) else f"{var}.storage_offset()"
+            if e.is_Symbol and e not in symbols:
+                symbols[e] = read
+                continue
+            try:
+                body.append(f"if {read} != {python_expr(e, symbols)}: return MISS")
+            except (NotImplementedError, KeyError):
+                return f"the layout of {label} is {strides}, which a direct call cannot check"
+    return None
+
+
+def _contiguous_strides(sizes: Sequence[int]) -> list[int | None]:
+    """A contiguous tensor's strides, None at a size-1 dim (any stride there is contiguous)."""
+    out: list[int | None] = []
+    step = 1
+    for size in reversed(sizes):
+        out.append(None if size == 1 else step)
+        step *= size
+    return out[::-1]

@@ -80,6 +80,29 @@ def _settle_cache(cache_arg: str) -> Any:
     return settle
 
 
+def _whole_sequence_note(cache_arg: str) -> Any:
+    """A DispatchMiss's note where a decode step came with more than the new token: the model's
+    ``generate()`` passes it the whole sequence at every step (cpmant, xlm, xlnet), beside a cache."""
+    def note(args: tuple, kwargs: dict) -> str | None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get(cache_arg)
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[-1] == 1 or cache is None:
+            return None
+        try:
+            held = int(cache.get_seq_length())
+        except Exception:  # noqa: BLE001 - a cache without a length: no note
+            return None
+        if held == 0:
+            return None
+        return (f"compile_generate: a decode step (the cache holds {held} tokens) was given {ids.shape[-1]} tokens: "
+                "this model's generate() passes it the whole sequence at every step (its "
+                "prepare_inputs_for_generation does not cut the input to the new token), so each step is a prefill "
+                "at a new length, which compile_generate does not serve (it compiles decode for one new token); "
+                "generate with this model eagerly")
+
+    return note
+
+
 def _cache_layers(cache: Any) -> list[Any]:
     """The layers of a transformers cache (an encoder-decoder cache's self-attention ones)."""
     cache = getattr(cache, "self_attention_cache", cache)
@@ -126,8 +149,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         # A sparse-attention (DSA) layer's indexer keys, [batch, tokens, head dim], grow along dim 1.
         dims[cache_arg] = {**({2: "kv", **{a: {1: "kv"} for a in _ALONG_DIM_1}} if grows else {}),
                            **dict.fromkeys(_COUNTERS, "pos")}
-    if "attention_mask" in params:
-        # [batch, tokens so far] (2-d), or [batch, 1, new tokens, kv length] (4-d: a static cache's, at its length)
+    if "attention_mask" in params and not static_cache:
+        # [batch, tokens so far]. A static cache's mask is not marked: at decode its width is the
+        # cache's, one size; at prefill it is [batch, 1, prompt, width], the width the prompt's
+        # length or a window's, which the model fixes per prompt length in a range anyway.
         dims["attention_mask"] = {-1: "ctx"}
     ctx = "attention_mask" in dims
     prompt = [{"seq": s, **({"ctx": s} if ctx else {})} for s in prompt_sizes]
@@ -152,5 +177,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                            splitting_ops=splitting_ops, **options)
     if grows:
         fast.after_call = _settle_cache(cache_arg)
+    if cache_arg is not None:
+        fast.miss_note = _whole_sequence_note(cache_arg)
     model.forward = fast
     return fast

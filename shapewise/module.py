@@ -21,6 +21,7 @@ from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
 from shapewise.marks import held_tensors, int_paths, parse_dynamic_dims, tensors_of
+from shapewise.trace_errors import trace_error
 
 __all__ = ["NoDynamicSizes", "ShapewiseModule", "compile"]
 
@@ -78,6 +79,7 @@ class ShapewiseModule:
         self._on_miss = on_miss
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}
+        self._object_args: set[str] = set()  # marked through the tensors they hold (a KV cache)
         self._int_sources: list[str] = []  # this call's marked ints, as Dynamo names their sources
         self.runnables: list[Runnable] = []
         # Per trace: the dims it fixed ({"seq": 1}), None for a dim it does not have ({"kv": None}).
@@ -90,8 +92,10 @@ class ShapewiseModule:
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
         # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed them.
         self._directs = DirectCalls(bool(direct_call))
-        # Run after every call with (args, kwargs, output): compile_generate hands prefill's cache to decode.
+        # Hooks for who knows the calls (compile_generate): run after every call with (args, kwargs, output)
+        # (hand prefill's cache to decode); called with (args, kwargs) for a DispatchMiss's note on why.
         self.after_call: Callable[[tuple, dict, Any], None] | None = None
+        self.miss_note: Callable[[tuple, dict], str | None] | None = None
 
     def _declared_names(self) -> set[str]:
         """Every dim name ``dynamic_dims`` declares (the default's ``n`` without one)."""
@@ -114,6 +118,7 @@ class ShapewiseModule:
                     if any(t.dim() > 0 for t in tensors_of(v))}
         dims = {a: spec for a, spec in dims.items() if bound.arguments.get(a) is not None}  # optional, left out
         arg_dims: dict[str, dict[int, str]] = {}
+        objects: set[str] = set()
         seen: dict[str, set[int]] = {}
         for arg, spec in dims.items():
             value = bound.arguments[arg]
@@ -138,11 +143,12 @@ class ShapewiseModule:
                     # them); the default (dim 0 of every tensor) only where the model lets it vary.
                     _compat.mark_dynamic(t, d % t.dim(), strict=self._dims is not None and not deep)
             if deep:
+                objects.add(arg)
                 arg_dims[arg] = dict(spec)  # read per tensor (an object's tensors differ in rank)
             elif tensors:
                 ndim = tensors[0].dim()
                 arg_dims[arg] = {d % ndim if ndim else d: n for d, n in spec.items()}
-        self._arg_dims = arg_dims
+        self._arg_dims, self._object_args = arg_dims, objects
         self._int_sources = self._mark_ints(bound, fixed)
         return seen
 
@@ -195,6 +201,7 @@ class ShapewiseModule:
             # static. Refuse it; __call__ then marks them and traces again.
             raise _UnmarkedRetrace
         names: dict[sympy.Symbol, str] = {}
+        specialised: dict[str, int] = {}
         sizes: dict[str, tuple[str | None, list[int | None]]] = {}  # source -> (argument, its static sizes)
         for node in gm.graph.nodes:
             if node.op != "placeholder":
@@ -218,6 +225,8 @@ class ShapewiseModule:
                     e = _compat.sym_expr(value.shape[d])
                     if isinstance(e, sympy.Symbol):
                         names.setdefault(e, name)
+                    elif arg not in self._object_args and isinstance(e, (int, sympy.Integer)):
+                        specialised.setdefault(name, int(e))  # a tensor argument's dim Dynamo fixed
         self._symbol_names = names
         fixed = dict(getattr(self._local, "fixed", None) or {})
         asked = self._options.get("sizes") or self._options.get("ranges")
@@ -239,7 +248,9 @@ class ShapewiseModule:
         # proved it equal to another, as a mask's length to the tokens' at prefill) follows the
         # others: every size of it agrees with this trace.
         declared = self._declared_names() if self._dims is not None else set()
-        fixed.update({n: None for n in sorted(declared - set(names.values()) - set(fixed))})
+        # A name the trace has a tensor argument's dim of, as a constant (the model specialised it,
+        # e.g. by a Python loop over the length): this trace serves that size alone.
+        fixed.update({n: specialised.get(n) for n in sorted(declared - set(names.values()) - set(fixed))})
         runnable = shapewise_backend(gm, example_inputs, {**self._options, "symbol_names": names,
                                                           "on_miss": self._on_miss, "fixed": fixed,
                                                           "refused": "skip" if self.runnables else "skip-sizes"})
@@ -333,34 +344,14 @@ class ShapewiseModule:
                 return self._first_call(args, kwargs, retrace=True)
             return self._first_call(args, kwargs)
         except Exception as e:
-            inner = _compat.backend_error_cause(e)
-            if isinstance(inner, ShapewiseError):
-                # Hide Dynamo's wrapper, keep the error's own cause (e.g. the backend's exception).
-                raise inner.with_traceback(None) from inner.__cause__
-            if isinstance(e, DispatchMiss) and len(self.runnables) > 1:
-                e.add_note(self._traces_note())
-            if _compat.is_graph_break(e):
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                name = getattr(self.model, "__qualname__", type(self.model).__name__)
-                raise ShapewiseError(
-                    f"Dynamo cannot trace {name} as one graph, which shapewise needs (it traces with "
-                    f"fullgraph=True): {first}. Make that code traceable or move it out of the forward (e.g. a "
-                    "logging call, a data-dependent Python branch); Dynamo's full message is the cause below"
-                ) from e
-            if inner is not None or _compat.is_internal_dynamo_error(e):
-                # A compile below the backend, or Dynamo itself, failed (not the model's own code,
-                # whose errors pass as they are): say so, with the first line of what failed.
-                what = inner if inner is not None else e
-                first = (str(what).strip().splitlines() or [type(what).__name__])[0][:300]
-                name = getattr(self.model, "__qualname__", type(self.model).__name__)
-                hint = (" The model reads a tensor's value (a data-dependent size or .item()): register the op that "
-                        "does it as a splitting op, or pass on_compile_error='fallback' to run that piece eagerly."
-                        if "data-dependent" in str(what) else "")
-                raise ShapewiseError(
-                    f"shapewise could not trace and compile {name}: {type(what).__name__}: {first}.{hint} "
-                    "The full error is the cause below"
-                ) from e
-            raise
+            if isinstance(e, DispatchMiss):
+                hook = self.miss_note(args, kwargs) if self.miss_note is not None else None
+                for note in filter(None, (len(self.runnables) > 1 and self._traces_note(), hook)):
+                    e.add_note(note)
+            clear = trace_error(e, self.model)
+            if clear is None:
+                raise
+            raise clear.with_traceback(None) from clear.__cause__
 
     def _traces_note(self) -> str:
         """Which sizes each trace serves (a call goes to the first trace whose guards it passes)."""
@@ -400,6 +391,12 @@ class ShapewiseModule:
                     return self._trace(args, kwargs, attempt)
                 except Exception as e:
                     cause = _compat.backend_error_cause(e)
+                    if isinstance(cause, NoDynamicSizes) and single and not self._serves(single):
+                        note = self.miss_note(args, kwargs) if self.miss_note is not None else None
+                        raise NoDynamicSizes(
+                            f"{cause}. At this call the model fixes {single}, and no size or range asked for holds "
+                            "that: add it to sizes (each size the model fixes is a trace of its own)"
+                            + (f". {note}" if note else "")) from None
                     if i == len(attempts) - 1 or not _compat.is_trace_error(e) or (
                             isinstance(cause, ShapewiseError) and not (
                                 isinstance(cause, NoDynamicSizes) and self._serves(single))):
@@ -408,16 +405,20 @@ class ShapewiseModule:
                     # specialised): it installed nothing, so neither does shapewise.
                     del self.runnables[count:], self.trace_fixed[count:]
                     self._directs.truncate(count)
-                    log.info("shapewise: the trace with %s fixed failed (%s: %s); tracing again with %s fixed",
-                             attempt or "no size", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
-                             attempts[i + 1])
+                    pinned = {n: v for n, v in attempts[i + 1].items() if v not in (0, 1) and n not in attempt}
+                    log.log(logging.WARNING if pinned and self.runnables else logging.INFO,
+                            "shapewise: the trace with %s fixed failed (%s: %s); tracing again with %s fixed%s",
+                            attempt or "no size", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+                            attempts[i + 1], f" (the model fixes {pinned}: each other size of them is a trace of its "
+                            "own; TORCH_LOGS=dynamic names the line that fixes them)" if pinned else "")
 
     def _serves(self, sizes: Mapping[str, int]) -> bool:
         """Whether a trace fixed at ``sizes`` would serve any of the requested sizes or ranges
         (a model that specialises the size of its first call, e.g. T=2, is traced at it)."""
         empty = ShapeInfo(symbols=(), sources={}, inputs=(), input_names=())
-        try:
-            return bool(make_bindings(empty, self._options.get("sizes"), self._options.get("ranges"), fixed=sizes))
+        fixed = {**dict.fromkeys(self._declared_names() if self._dims is not None else (), None), **sizes}
+        try:  # (the names not in sizes follow, as _backend has them)
+            return bool(make_bindings(empty, self._options.get("sizes"), self._options.get("ranges"), fixed))
         except ShapewiseError:
             return False
 

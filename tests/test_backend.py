@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
@@ -457,6 +458,28 @@ def test_a_size_the_model_specialises_gets_a_trace_of_its_own():
         assert_same(fast(x), _view_valid_at_two(x), f"T={t}")
     # the symbolic attempt at 2 was refused by Dynamo and left nothing behind
     assert [(r["trace"], r["key"]) for r in fast.report()] == [("1", "{n=5}"), ("2 (n=2)", "{n=2}")]
+
+
+def _positions_from_a_python_list(x, mask=None):  # cpmant: torch.tensor(list(range(seqlen))), at every length
+    positions = torch.tensor(list(range(x.shape[1])), dtype=x.dtype)
+    out = x + positions[None, :, None]
+    return out if mask is None else out * mask[..., None]
+
+
+def test_a_model_that_fixes_every_size_gets_a_trace_per_asked_size_and_a_miss_for_others(caplog):
+    # The model specialises seq at every call, and the optional mask (ctx) is left out: each size
+    # asked for is a trace fixed at it (ctx follows), a size not asked for is a miss, not a
+    # BindingError about dims that trace does not have; the retrace says the model fixes seq.
+    fast = sw.compile(_positions_from_a_python_list, dynamic_dims={"x": {1: "seq"}, "mask": {-1: "ctx"}},
+                      sizes=[{"seq": 4, "ctx": 4}, {"seq": 6, "ctx": 6}], backend="aot_eager")
+    with caplog.at_level(logging.WARNING, logger="shapewise"):
+        for t in (4, 6, 4):
+            x = torch.randn(2, t, 3)
+            assert_same(fast(x), _positions_from_a_python_list(x), f"seq={t}")
+    assert fast.traces == 2
+    assert "the model fixes {'seq': 6}: each other size of them is a trace of its own" in caplog.text
+    with pytest.raises(sw.DispatchMiss, match=r"seq=5"):
+        fast(torch.randn(2, 5, 3))
 
 
 def _shifted_loss(x, labels):  # the pad guards labels' T != 1 before cross_entropy equates it with x's T

@@ -462,3 +462,57 @@ def test_aliasing_is_checked_as_the_arming_call_had_it():
         fast(x, torch.zeros(2, 3), torch.zeros(2, 3))
     t, r = torch.zeros(2, 3), torch.zeros(2, 3)
     assert not _served_directly(fast, lambda: assert_same(fast(x, t, t), model(x, r, r), "one tensor twice"))
+
+
+class _Reads4(nn.Module):
+    def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
+        return (x @ cache.layers[0].keys.t()).sum(1) * cache.scale  # reads the cache's tensor in place
+
+
+def _to_float64(c: _Cache) -> None:
+    c.layers[0].keys = c.layers[0].keys.double()
+
+
+def _longer(c: _Cache) -> None:
+    c.layers[0].keys = torch.randn(5, 8)
+
+
+def _transposed(c: _Cache) -> None:  # same shape and dtype, not contiguous
+    c.layers[0].keys = torch.randn(8, 4).t()
+
+
+def _needs_grad(c: _Cache) -> None:
+    c.layers[0].keys = torch.randn(4, 8, requires_grad=True)
+
+
+def _a_parameter(c: _Cache) -> None:  # a Tensor subclass
+    c.layers[0].keys = nn.Parameter(torch.randn(4, 8), requires_grad=False)
+
+
+def _more_dims(c: _Cache) -> None:
+    c.layers[0].keys = torch.randn(4, 8, 1)
+
+
+@pytest.mark.parametrize("change", [_to_float64, _longer, _transposed, _needs_grad, _a_parameter, _more_dims])
+def test_tensors_inside_an_object_are_checked_in_one_call_that_refuses_each_change(change):
+    # The tensors an object argument holds (a KV cache's, 2 to 4 per layer) are checked by one
+    # C++ call (Dynamo's TensorGuards) for type, dtype, device, grad, rank, sizes and strides, not
+    # a line of Python each: it must refuse what the Python checks refused.
+    model = _Reads4()
+    fast = sw.compile(model, dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    x = torch.randn(2, 8)
+    cache = _Cache(torch.randn(4, 8))
+    with torch.no_grad():
+        for _ in range(3):
+            assert_same(fast(x, cache), model(x, cache), "as armed")
+        assert fast.direct_calls == 2
+        assert "TG.check(" in fast._directs.armed[0].source
+        change(cache)
+        try:
+            expected = model(x, cache)
+        except RuntimeError:  # float64 keys against a float32 x: eager fails, and so must the compiled call
+            with pytest.raises(RuntimeError):
+                fast(x, cache)
+            return
+        assert not _served_directly(fast, lambda: assert_same(fast(x, cache), expected, change.__name__))

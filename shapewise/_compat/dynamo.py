@@ -19,7 +19,7 @@ __all__ = [
     "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "quiet_guard_errors",
     "rank_and_world",
     "scalars_passed_as_tensors", "size_source", "source_name", "specialise_scalar_inputs", "storage_key",
-    "STORED_TENSOR", "StoredSize", "NOT_SET", "trace_side_effects", "unmark_dynamic",
+    "STORED_TENSOR", "StoredSize", "NOT_SET", "tensor_checks", "trace_side_effects", "unmark_dynamic",
 ]
 
 
@@ -461,3 +461,15 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def tensor_checks(examples: Sequence[torch.Tensor], sizes: Sequence[Sequence[int | None]],
+                  strides: Sequence[Sequence[int | None]]) -> Any:
+    """One C++ check of many tensors, as Dynamo guards a tensor (``TensorGuards``): each of the
+    Python type, dispatch keys (so device type and autograd state), dtype, device index and
+    ``requires_grad`` of its example, and the sizes and strides given (None: not checked).
+    ``.check(*tensors)`` says whether all hold."""
+    from torch._C._dynamo.guards import TensorGuards
+
+    return TensorGuards(*examples, dynamic_dims_sizes=[list(s) for s in sizes],
+                        dynamic_dims_strides=[list(s) for s in strides])

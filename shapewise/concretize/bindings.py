@@ -341,6 +341,8 @@ def _agreeing_bindings(shapes: ShapeInfo, sizes: Any, ranges: Any, fixed: Mappin
         hints={**shapes.hints, **{s: v for s, (_, v) in stand.items() if v is not None}})
     known = {name: v for name, v in fixed.items() if v is not None}
     sizes, ranges = _agreeing_spec(sizes, known, False), _agreeing_spec(ranges, known, True)
+    if not (sizes or ranges):  # none agrees (not "none given", which would mean every size): it serves none
+        return ()
     out: list[Binding] = []
     for b in make_bindings(augmented, sizes, ranges, optional={s for s, (_, v) in stand.items() if v is None}):
         values = b.mapping

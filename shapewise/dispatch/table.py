@@ -57,6 +57,7 @@ class DispatchTable:
         self.range_bindings = tuple(b for b, _ in ranges)
         self.on_miss = on_miss
         self._miss_runner = miss_runner
+        self.fixed: dict[str, int] = {}  # sizes the trace fixed (Dynamo specialised them), named in a miss
         self._lock = threading.Lock()
         self._memo = 0
         #: Run-time state the dispatch stage attaches (compile session, background thread); see
@@ -130,8 +131,13 @@ class DispatchTable:
     def miss_message(self, key: tuple) -> str:
         sizes = ", ".join(self.describe_key(k) for k in self.static_keys) or "none"
         ranges = ", ".join(b.describe(self.names) for b in self.range_bindings) or "none"
+        fixed = ", ".join(f"{name}={v}" for name, v in self.fixed.items())
+        described = self.describe_key(key)
+        if fixed:
+            described = "{" + ", ".join(x for x in (described[1:-1], fixed) if x) + "}"
+        why = f" (this trace fixed {fixed}: the model specialised them)" if fixed else ""
         return (
-            f"no compiled variant for size {self.describe_key(key)}: compiled sizes: {sizes}; "
+            f"no compiled variant for size {described}{why}: compiled sizes: {sizes}; "
             f"ranges: {ranges}. Add it to sizes or ranges, or pass on_miss='dynamic' or 'eager'."
         )
 

@@ -169,8 +169,9 @@ def test_sliding_window_decode_is_a_fixed_number_of_traces(static_cache):
     # hands decode its window laid out as decode's own steps lay it out, not as a slice of the prompt).
     fast = _greedy_equal(model, options, _prompts(12, 10), new_tokens=6)
     # With a static cache a prompt range's length is fixed per prompt (one prefill trace per length
-    # in it): the 4-d prefill mask's dim 2 (the prompt's length) is not marked, so it is a constant,
-    # and SDPA's broadcast with the keys (Eq(10, s27)) fixes seq to it. Prompt 10 is a trace of its own.
+    # in it): compile_generate leaves the static cache's 4-d mask unmarked (its width is the
+    # prompt's or the window's), so its dim 2, the prompt's length, is a constant, and SDPA's
+    # broadcast with the keys (Eq(10, s27)) fixes seq to it. Prompt 10 is a trace of its own.
     assert fast.traces == (3 if static_cache else 2), fast.report()
     # A prompt inside the window adds the model's other branches: its prefill, decode while the
     # window fills, and the step that fills it. Never a trace per token.
@@ -226,3 +227,36 @@ def test_sparse_attention_indexer_cache_is_one_decode_trace():
     fast = _greedy_equal(transformers.DeepseekV32ForCausalLM(cfg).eval(),
                          dict(prompt_sizes=[12], max_length=32), _prompts(12, 12))
     assert fast.traces == 2, fast.direct_info
+
+
+def test_a_recurrent_model_whose_prefill_fixes_the_prompt_length():
+    # RecurrentGemma: recurrent blocks (an RG-LRU state and a convolution state, no token dim)
+    # beside a windowed attention block; the model's Python fixes the prompt's length in prefill,
+    # so the prefill trace is one fixed at the prompt size asked for (the dims the call leaves
+    # out, the mask's, follow it), not an error that no dim is dynamic. Decode: 2 traces, as the
+    # convolution state (an attribute of the block, not of the cache) comes from prefill in
+    # another layout (a slice of the prompt) than decode's steps make.
+    cfg = transformers.RecurrentGemmaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=1, head_dim=8, lru_width=32,
+                                            attention_window_size=8, block_types=["recurrent", "attention"],
+                                            pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.RecurrentGemmaForCausalLM(cfg).eval()
+    fast = _greedy_equal(model, dict(prompt_sizes=[12], max_length=32), [_prompts(12)[0], _prompts(13)[0][:, 1:]],
+                         new_tokens=8)
+    assert fast.traces == 3, fast.report()  # and not one more for the second prompt
+
+
+def test_a_model_given_the_whole_sequence_at_each_step_is_refused_with_the_reason():
+    # CPM-Ant's generate() passes the whole sequence beside its cache at every step, and the model
+    # fixes the length (a Python list over range(seqlen)): each step would be a trace of its own.
+    # The first decode step is a DispatchMiss that says so, not a trace per token.
+    cfg = transformers.CpmAntConfig(vocab_size=128, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64,
+                                    num_hidden_layers=2, prompt_length=4, prompt_types=4, segment_types=4,
+                                    position_bias_num_buckets=32, position_bias_max_distance=64)
+    torch.manual_seed(0)
+    model = transformers.CpmAntForCausalLM(cfg).eval()
+    sw.compile_generate(model, prompt_sizes=[12], max_length=32, backend="aot_eager")
+    with pytest.raises(sw.DispatchMiss, match=r"this trace fixed seq=13") as info:
+        model.generate(_prompts(12)[0], max_new_tokens=3, do_sample=False)
+    assert "passes it the whole sequence at every step" in "\n".join(info.value.__notes__)
