@@ -102,6 +102,9 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
     assert not any(p.write_back for p in pieces), [len(p.write_back) for p in pieces]
     assert all(t.numel() <= 64 for t in copied), [tuple(t.shape) for t in copied]
     assert sum(len(p.kept) for p in pieces) >= 4  # the 2 layers' keys and values
+    # Under full graphs compile_generate splits nothing (a split would only stop Inductor fusing
+    # across the attention); piecewise graphs are split at SDPA.
+    assert (len(decode.pieces) == 1) == (cudagraphs == "full"), [p.name for p in decode.pieces]
 
 
 def _greedy_equal(model, fast_options, prompts, new_tokens=10):
