@@ -187,3 +187,19 @@ def test_a_fresh_input_where_the_last_one_was_freed_is_still_copied(events):
     piece(first, cache)
     piece(second, cache)
     assert [i for i, _ in piece.copy_slots] == [0] and [i for i, *_ in piece.kept] == [1]
+
+
+def test_the_address_check_finds_the_first_input_not_where_the_capture_found_it():
+    from shapewise.dispatch.graphed import AddressCheck
+
+    ts = [torch.zeros(4, 4) for _ in range(5)]
+    args = ("not a tensor", *ts)
+    in_place = AddressCheck([(i, args[i].data_ptr()) for i in (1, 3, 4)])
+    laid_out = AddressCheck([(2, ts[1].data_ptr(), ts[1].stride())])
+    one = AddressCheck([(5, ts[4].data_ptr())])
+    assert in_place.moved(args) is None and laid_out.moved(args) is None and one.moved(args) is None
+    moved = (*args[:3], torch.zeros(4, 4), *args[4:])
+    assert in_place.moved(moved) == 3 and laid_out.moved(moved) is None
+    relaid = (*args[:2], ts[1].t(), *args[3:])  # same address, other strides
+    assert laid_out.moved(relaid) == 2 and in_place.moved(relaid) is None
+    assert one.moved((*args[:5], torch.zeros(4, 4))) == 5
