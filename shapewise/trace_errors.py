@@ -29,9 +29,15 @@ def trace_error(e: BaseException, model: Any) -> ShapewiseError | None:
         # errors pass as they are): say so, with the first line of what failed.
         what = inner if inner is not None else e
         first = (str(what).strip().splitlines() or [type(what).__name__])[0][:300]
-        hint = (" The model reads a tensor's value (a data-dependent size or .item()): register the op that "
-                "does it as a splitting op, or pass on_compile_error='fallback' to run that piece eagerly."
-                if "data-dependent" in str(what) else "")
+        if "data-dependent" not in str(what):
+            hint = ""
+        elif inner is not None:  # the graph was traced; a compile of it failed
+            hint = (" The model reads a tensor's value (a data-dependent size or .item()): register the op that "
+                    "does it as a splitting op, or pass on_compile_error='fallback' to run that piece eagerly.")
+        else:  # Dynamo could not trace past it
+            hint = (" The model reads a tensor's value (a data-dependent size or .item()) where Dynamo needs a "
+                    "size: put that code in a torch.library.custom_op (Dynamo does not trace inside one) and name "
+                    "the op in splitting_ops, or tell Dynamo what holds with torch._check.")
         err = ShapewiseError(f"shapewise could not trace and compile {name}: {type(what).__name__}: {first}.{hint} "
                              "The full error is the cause below")
     else:

@@ -506,6 +506,26 @@ def test_a_model_dynamo_cannot_trace_as_one_graph_gets_a_shapewise_error():
     assert e.value.__cause__ is not None  # Dynamo's own message is kept
 
 
+def _splits_by_counts(x):  # a MoE's routing: sizes from a tensor's values
+    counts = torch.bincount((x[:, 0] > 0).long(), minlength=2)
+    parts = x.split(counts.tolist(), dim=0)
+    return torch.cat([parts[0] * 2, parts[1] * 3])
+
+
+def test_a_model_that_reads_a_tensors_value_for_a_size_gets_a_shapewise_error_that_says_what_to_do():
+    # Found by review: Dynamo's GuardOnDataDependentSymNode came out raw.
+    fast = sw.compile(_splits_by_counts, dynamic_dims={"x": 0}, sizes=[4, 8], backend="aot_eager")
+    with pytest.raises(sw.ShapewiseError, match=r"reads a tensor's value .* where Dynamo needs a size: put that code "
+                                                r"in a torch.library.custom_op") as e:
+        fast(torch.randn(8, 3))
+    assert e.value.__cause__ is not None
+    # A graph Dynamo did trace, whose compile fails: the piece that reads values is named so.
+    from shapewise.lower.lower import _reads_values
+
+    assert _reads_values(torch.fx.symbolic_trace(_splits_by_counts))
+    assert not _reads_values(torch.fx.symbolic_trace(_view_valid_at_two))
+
+
 def test_a_tensor_subclass_weight_compiles_per_size():
     # A traceable wrapper subclass as a weight (TwoTensor, PyTorch's own test subclass; DTensor
     # is one too, tests/distributed): each compile gets a fake one rebuilt around fake inner

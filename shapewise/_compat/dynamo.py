@@ -378,10 +378,12 @@ def is_trace_error(e: BaseException) -> bool:
 
 def is_internal_dynamo_error(e: BaseException) -> bool:
     """Whether ``e`` is Dynamo failing in its own code, or refusing what it traced (a
-    data-dependent size it cannot specialise: ``UserError``), not the model's own error."""
+    data-dependent size it cannot specialise: ``UserError``, or a guard on one while tracing:
+    ``GuardOnDataDependentSymNode``, e.g. ``x.split(counts.tolist())``), not the model's own error."""
     from torch._dynamo.exc import InternalTorchDynamoError, UserError
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    return isinstance(e, (InternalTorchDynamoError, UserError))
+    return isinstance(e, (InternalTorchDynamoError, UserError, GuardOnDataDependentSymNode))
 
 
 def is_graph_break(e: BaseException) -> bool:

@@ -208,7 +208,7 @@ class CompileSession:
                         self._memo[key] = (fn, compiled_by)
         except Exception as e:  # noqa: BLE001 - reported with context below
             hint = ""
-            if "DataDependent" in type(e).__name__ or "DataDependent" in str(e):
+            if "DataDependent" in type(e).__name__ or "DataDependent" in str(e) or _reads_values(piece.gm):
                 hint = (" (the piece reads a tensor's value: .item(), nonzero, a data-dependent size, which a "
                         "compile from example inputs cannot; pass on_compile_error='fallback' to run this piece "
                         "eagerly, or register the op that does it as a splitting op)")
@@ -424,3 +424,10 @@ class Lower(Pass):
         return {"piece": piece.name, "key": variant.binding.describe(piece.shapes.names if piece.shapes else {}),
                 "static": variant.binding.is_static, "seconds": 0.0, "source": "pending",
                 "backend": self.backend_name, "artifact": None}
+
+
+def _reads_values(gm: torch.fx.GraphModule) -> bool:
+    """Whether a piece reads a tensor's values into Python (``.item()``, ``.tolist()``: a MoE's
+    expert token counts), so that sizes inside it come from data."""
+    return any(n.op == "call_method" and n.target in ("item", "tolist") or
+               n.op == "call_function" and "_local_scalar_dense" in str(n.target) for n in gm.graph.nodes)
