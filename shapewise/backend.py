@@ -21,7 +21,7 @@ from shapewise.lower import Lower
 from shapewise.passes import Instrument, Pipeline
 from shapewise.rewrite import Rewrite
 
-__all__ = ["build_pipeline", "shapewise_backend"]
+__all__ = ["build_pipeline", "cudagraphs_options", "shapewise_backend"]
 
 DEFAULT_DIM_NAME = "n"
 
@@ -31,6 +31,17 @@ log = logging.getLogger("shapewise")
 def _op_list(ops: Any) -> tuple[Any, ...]:
     """``splitting_ops`` as a tuple: one op (a name, an op, a callable) or a list of them."""
     return tuple(ops) if isinstance(ops, (list, tuple)) else (ops,)
+
+
+def cudagraphs_options(cudagraphs: bool | str | Mapping[str, Any]) -> dict[str, Any]:
+    """The ``cudagraphs`` option as ``CudaGraphs`` keywords: True / "piecewise" / "full" /
+    "full_and_piecewise", or a dict of them ({"mode": "full_and_piecewise", "full_up_to": 64,
+    "capture": "startup", "pad": True}); {} when off."""
+    if not cudagraphs:
+        return {}
+    if isinstance(cudagraphs, Mapping):
+        return dict(cudagraphs)
+    return {"mode": cudagraphs if isinstance(cudagraphs, str) else "piecewise"}
 
 
 def build_pipeline(
@@ -69,11 +80,7 @@ def build_pipeline(
     if cudagraphs and compile != "eager_all":
         raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")
     if cudagraphs:
-        # True / "piecewise" / "full" / "full_and_piecewise", or a dict of CudaGraphs options
-        # ({"mode": "full_and_piecewise", "full_up_to": 64, "capture": "startup", "pad": True}).
-        graph_opts = dict(cudagraphs) if isinstance(cudagraphs, Mapping) else {
-            "mode": cudagraphs if isinstance(cudagraphs, str) else "piecewise"}
-        passes.append(CudaGraphs(capture_sizes=capture_sizes, **graph_opts))
+        passes.append(CudaGraphs(capture_sizes=capture_sizes, **cudagraphs_options(cudagraphs)))
     elif capture_sizes is not None:
         raise ConfigError("capture_sizes is given but cudagraphs is off: pass cudagraphs=True")
     return Pipeline(passes, instruments=instruments)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from shapewise.backend import cudagraphs_options
 from shapewise.errors import ConfigError
 from shapewise.module import ShapewiseModule
 
@@ -123,10 +124,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     decode is then one static variant. ``direct_call`` (default True): calls past Dynamo's frame
     where a trace allows them. ``splitting_ops``: by default the graph is split at SDPA (each
     piece compiles and, with piecewise CUDA graphs, is captured on its own), except under
-    ``cudagraphs="full"``, where a split only keeps Inductor from fusing across the attention: there
-    the forward is one piece (on the H200 at Llama-3.2-1B shapes, 297 kernels a decode step
-    against 342, as transformers' recipe; benchmarks/results/decode_h200). Other options go to
-    ``shapewise.compile``.
+    ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from
+    fusing across the attention: there the forward is one piece (on the H200 at Llama-3.2-1B
+    shapes, 297 kernels a decode step against 342, as transformers' recipe;
+    benchmarks/results/decode_h200). Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
     if clash:
@@ -179,7 +180,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     model.generation_config.disable_compile = True
     options.setdefault("direct_call", True)
     if splitting_ops is None:
-        splitting_ops = () if options.get("cudagraphs") == "full" else ("sdpa",)
+        full = cudagraphs_options(options.get("cudagraphs", False)).get("mode") == "full"
+        splitting_ops = () if full else ("sdpa",)
     fast = ShapewiseModule(model.forward, sizes=sizes, ranges=ranges, dynamic_dims=dims,
                            splitting_ops=splitting_ops, **options)
     if grows:

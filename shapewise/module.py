@@ -391,15 +391,15 @@ class ShapewiseModule:
                     return self._trace(args, kwargs, attempt)
                 except Exception as e:
                     cause = _compat.backend_error_cause(e)
-                    if isinstance(cause, NoDynamicSizes) and single and not self._serves(single):
+                    serves = isinstance(cause, NoDynamicSizes) and self._serves(single)
+                    if isinstance(cause, NoDynamicSizes) and single and not serves:
                         note = self.miss_note(args, kwargs) if self.miss_note is not None else None
                         raise NoDynamicSizes(
                             f"{cause}. At this call the model fixes {single}, and no size or range asked for holds "
                             "that: add it to sizes (each size the model fixes is a trace of its own)"
                             + (f". {note}" if note else "")) from None
                     if i == len(attempts) - 1 or not _compat.is_trace_error(e) or (
-                            isinstance(cause, ShapewiseError) and not (
-                                isinstance(cause, NoDynamicSizes) and self._serves(single))):
+                            isinstance(cause, ShapewiseError) and not serves):
                         raise
                     # Dynamo refused the trace after handing it over (a dim marked dynamic was
                     # specialised): it installed nothing, so neither does shapewise.

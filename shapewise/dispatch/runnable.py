@@ -84,8 +84,7 @@ class BuildDispatch(Pass):
         elif on_miss == "dynamic":
             miss_runner = _GeneralVariant(program, session)
         table = DispatchTable(shapes.symbols, [shapes.sources[s] for s in shapes.symbols], exact, ranges,
-                              shapes.names, on_miss, guards.wrap_miss(miss_runner))
-        table.fixed = dict(program.fixed_sizes or {})
+                              shapes.names, on_miss, guards.wrap_miss(miss_runner), program.fixed_sizes)
         for b, (d, entry) in deferred.items():
             d.on_ready = _swapper(table, guards, b, entry)
         table.runtime = DispatchRuntime(session, background, watch if deferred else None)

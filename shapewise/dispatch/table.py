@@ -45,6 +45,7 @@ class DispatchTable:
         names: Mapping[sympy.Symbol, str] | None = None,
         on_miss: str = "error",
         miss_runner: Callable[[tuple], Callable[..., Any]] | None = None,
+        fixed: Mapping[str, int] | None = None,
     ) -> None:
         if on_miss not in MISS_POLICIES:
             raise ConfigError(f"on_miss must be one of {MISS_POLICIES}, got {on_miss!r}")
@@ -57,7 +58,7 @@ class DispatchTable:
         self.range_bindings = tuple(b for b, _ in ranges)
         self.on_miss = on_miss
         self._miss_runner = miss_runner
-        self.fixed: dict[str, int] = {}  # sizes the trace fixed (Dynamo specialised them), named in a miss
+        self.fixed = dict(fixed or {})  # sizes the trace fixed (Dynamo specialised them), named in a miss
         self._lock = threading.Lock()
         self._memo = 0
         #: Run-time state the dispatch stage attaches (compile session, background thread); see
