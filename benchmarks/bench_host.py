@@ -134,13 +134,14 @@ def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
     from shapewise.dispatch.graphed import GraphedPiece, clone_tensors
 
     runnable, args = capture_runnable_args(fast, x)
-    run = runnable._exact[runnable._key(args)]
-    staged = getattr(run, "__wrapped__", run)  # StagedInputs: the caller's tensors copied in once
+    key = runnable._key(args)
+    graphs = runnable.runtime.graphs
+    (staged,) = [s for s in graphs.staged if s.key == key]  # the caller's tensors copied in once
     runner = staged.run
     statics = dict(staged.slots or ())
     runner_args = tuple(statics.get(i, a) for i, a in enumerate(args))
     program = runnable.program
-    pieces = {p.name: runner.__globals__[f"_{p.name}"] for p in program.pieces}
+    pieces = dict(graphs.callables[key])
     piece_args: dict[str, tuple] = {}
 
     def spy(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -268,13 +269,12 @@ def main(argv: list[str] | None = None) -> int:
                      for t, x in inputs.items()} if pw_name in contenders else {})
     copies = {}  # per CUDA-graph contender and size: inputs copied into static buffers per call
     for name, fn in contenders.items():
-        program = getattr(fn, "program", None)
-        if program is not None and program.cudagraph_keys:
-            from shapewise.dispatch.cudagraphs import graphed_pieces, staged_inputs
-
-            pieces = graphed_pieces(program)
+        runnable = getattr(fn, "runnable", None)
+        graphs = runnable.runtime.graphs if runnable is not None else None
+        if graphs is not None:
+            pieces = graphs.pieces
             copies[name] = {t: sum(len(p.copy_slots) for p in pieces if p.key == (t,))
-                            + sum(len(s.slots or ()) for s in staged_inputs(program) if s.key == (t,))
+                            + sum(len(s.slots or ()) for s in graphs.staged if s.key == (t,))
                             for t in tokens}
             groups = {id(p.group): p.group for p in pieces if p.group is not None}
             copies[name]["recaptures"] = sum(g.recaptures for g in groups.values())

@@ -69,8 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ops = sum(1 for n in p.gm.graph.nodes if n.op in ("call_function", "call_method"))
         kind = "splitting op (runs as is)" if p.is_splitting else "compiled"
         print(f"  {p.name}: {ops:3d} ops, {kind}")
-    print("\n== dispatch table ==")
-    print(text_table(program.dispatch.rows(), ["kind", "key"]))
+    print("\n== dispatch plan ==")
+    print(text_table(program.dispatch.rows(), ["kind", "key", "runs"]))
     print(f"\n== compile report ({len(fast.report())} variants, {compile_s:.1f} s wall incl. trace) ==")
     rows = [{**r, "seconds": f"{r['seconds']:.2f}"} for r in fast.report()]
     print(text_table(rows, ["piece", "key", "static", "seconds", "source", "backend"]))

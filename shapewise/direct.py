@@ -1,11 +1,13 @@
 """Direct calls (``sw.compile(..., direct_call=True)``): after the first trace, a call goes to
-the compiled program straight from shapewise, past Dynamo's frame.
+the compiled program straight from shapewise, past Dynamo's frame (its guards, and bytecode that
+fetches every parameter again; what that costs is measured in ``benchmarks/results/host_h200/``).
 
-Every call through ``torch.compile`` runs Dynamo's compiled frame: its guards, and bytecode that
-fetches every parameter through ``self._modules[...]._parameters[...]`` again. That front costs
-~60-70 µs a call on the H200 machine's host and ~150 µs on a 2-core CPU for a 4-layer stack, more
-than a piecewise CUDA-graph replay of all the layers' kernels. vLLM calls its compiled code past
-it; so does this, opt-in, under rules that keep answers right:
+In: one Dynamo trace (its GraphModule and example inputs), the ``Runnable`` compiled from it, and
+the model. Out: a ``DirectCall`` (``build_direct_call``), a function generated for that trace
+that reads the graph's inputs from a call's arguments, checks what Dynamo's guards would, and
+calls the Runnable; or the reason the trace gets none. ``DirectCalls`` keeps one per trace and
+tries them on each call; whatever they refuse goes through Dynamo. The rules that keep answers
+right:
 
 - The call it builds is generated once per trace: the graph's inputs are the call's tensors
   (each read as the trace read it: ``L['x']``, one of its sizes ``L['x'].size()[0]``, or a

@@ -272,6 +272,7 @@ class Verify(Instrument):
     rows: list[dict[str, Any]] = field(default_factory=list)
     _reference: torch.fx.GraphModule | None = field(default=None, init=False, repr=False)
     _ref_shapes: ShapeInfo | None = field(default=None, init=False, repr=False)
+    _runnable: Runnable | None = field(default=None, init=False, repr=False)  # the checked program's, per pass
 
     def before_pass(self, p: Pass, program: Program) -> None:
         if program.graph is None:  # an unsplit program: the start of a run, and the eager reference
@@ -283,15 +284,25 @@ class Verify(Instrument):
 
         reference = self._reference if self._reference is not None else program.gm
         shapes = program.shapes or self._ref_shapes or analyze_graph(reference, program.symbol_names)
-        for values in self._values(program, shapes):
-            row = self.check(p.spec(), program, reference, shapes, values)
-            self.rows.append(row)
-            if self.out is not None:
-                self.out(self._format_row(row))
-            if self.strict and not row["ok"]:
-                raise ShapewiseError(f"verify: after {row['pass']} at size {row['size']}, the program differs "
-                                     f"from eager by {row['max_error']:.3g}"
-                                     + (f" ({row['error']})" if row.get("error") else ""))
+        self._runnable = None  # one Runnable per checked program: its lazy compiles serve every size checked
+        try:
+            for values in self._values(program, shapes):
+                self._check_and_report(p, program, reference, shapes, values)
+        finally:
+            if self._runnable is not None and self._runnable.runtime.background is not None:
+                self._runnable.runtime.background.stop()  # checked: the pipeline's own Runnable compiles
+            self._runnable = None
+
+    def _check_and_report(self, p: Pass, program: Program, reference: torch.fx.GraphModule, shapes: ShapeInfo,
+                          values: Mapping[sympy.Symbol, int]) -> None:
+        row = self.check(p.spec(), program, reference, shapes, values)
+        self.rows.append(row)
+        if self.out is not None:
+            self.out(self._format_row(row))
+        if self.strict and not row["ok"]:
+            raise ShapewiseError(f"verify: after {row['pass']} at size {row['size']}, the program differs "
+                                 f"from eager by {row['max_error']:.3g}"
+                                 + (f" ({row['error']})" if row.get("error") else ""))
 
     def _values(self, program: Program, shapes: ShapeInfo) -> list[dict[sympy.Symbol, int]]:
         if self.sizes is not None:
@@ -309,7 +320,9 @@ class Verify(Instrument):
 
     def _callable(self, program: Program, values: Mapping[sympy.Symbol, int]) -> tuple[str, Callable[..., Any]]:
         if program.dispatch is not None:
-            return "dispatch", Runnable(program)
+            if self._runnable is None or self._runnable.program is not program:
+                self._runnable = Runnable(program)
+            return "dispatch", self._runnable
         binding = _binding_for(program, values)
         used = binding is not None and any(
             (v := p.variant_for(binding)) is not None and v.compiled is not None for p in program.compute_pieces)

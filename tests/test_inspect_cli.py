@@ -33,7 +33,7 @@ def test_inspect_the_toy_model(tmp_path, capsys):
     assert "5 pieces (2 splitting)" in text
     for piece in ("piece_0", "piece_1", "piece_2", "piece_3", "piece_4"):
         assert f"\n{piece} " in text
-    assert "DispatchTable: 2 exact, 1 ranges" in text and "range  {n=9..64}" in text
+    assert "DispatchPlan: 2 exact, 1 ranges" in text and "range  {n=9..64}" in text
     assert "compile report (9 variants)" in text
     assert "verify against eager: " in text and "all ok" in text
     assert "build_dispatch  {n=64}  dispatch" in text

@@ -28,7 +28,7 @@ EXPECTED = {
                         "05_build_dispatch/", "split.png"],
     "02_symbolic_shapes": ["2*s", "FloorDiv", "guard:", "offset", "GuardViolation: size {s=3} contradicts",
                            "GuardViolation: range {s=6..9} ends at the size"],
-    "03_dispatch_and_speed": ["DispatchTable: 3 exact", "DispatchMiss: no compiled variant for size {n=17}",
+    "03_dispatch_and_speed": ["DispatchPlan: 3 exact", "DispatchMiss: no compiled variant for size {n=17}",
                               "per lookup", "image/png", "shapewise static"],
     "04_write_a_pass": ["tanh_gelu.applies({'n': (5, 63)}) -> False", "<th>passes</th>",
                         ">tanh_gelu{max_tokens=4}</td>",

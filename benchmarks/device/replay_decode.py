@@ -184,9 +184,7 @@ def main() -> None:
         fast = sw.compile_generate(model, prompt_sizes=[128], max_length=256, static_cache=True,
                                    backend="inductor", cudagraphs="full", progress=False)
         step = Step("sw_full", model, ids, 16)
-        from shapewise.dispatch.cudagraphs import graphed_pieces
-
-        (piece,) = graphed_pieces(fast.runnables[-1].program)
+        (piece,) = fast.runnables[-1].runtime.graphs.pieces
         back = step.rewind
         rows.append({"layers": layers, **row("shapewise decode graph", lambda: (None, piece.graph.replay), back)})
         rows.append({"layers": layers, **row("shapewise decode step", lambda: (None, step.call), back)})

@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from shapewise import _compat
-from shapewise.dispatch.cudagraphs import graphed_pieces, is_fixed, staged_inputs
+from shapewise.dispatch.cudagraphs import GraphRuntime, is_fixed
 from shapewise.errors import ConfigError
 from shapewise.ir.effects import mutated_inputs
 from shapewise.ir.program import Program, TensorMeta
@@ -53,8 +53,10 @@ def dummy_inputs(program: Program, key: tuple, example_inputs: Sequence[Any],
     return out
 
 
-def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool | None = None) -> dict[str, Any]:
-    """Capture every size of a program that ``CudaGraphs`` made, now, on dummy inputs
+def capture_now(program: Program, runtime: Any, example_inputs: Sequence[Any],
+                progress: bool | None = None) -> dict[str, Any]:
+    """Capture every size of a program that ``CudaGraphs`` planned, now, through the Runnable's
+    ``runtime`` (``runtime.DispatchRuntime``), on dummy inputs
     (``dummy_inputs``), largest first: each size runs once (its warm-up) and is captured.
 
     Inputs the graph writes in place are left as they were: they are restored from a snapshot
@@ -63,8 +65,9 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
     the seconds it took and the bytes the graphs hold (``graph_memory``)."""
     from tqdm import tqdm
 
-    keys = list(program.cudagraph_keys)
-    if not keys:
+    plan = program.dispatch.graphs if program.dispatch is not None else None
+    keys = list(plan.keys) if plan is not None else []
+    if not keys or runtime.graphs is None:
         raise ConfigError("capture_now: the program has no CUDA-graph sizes (CudaGraphs found no compiled single "
                           "size to capture; give capture_sizes)")
     start = time.perf_counter()
@@ -76,7 +79,7 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
     try:
         for key in tqdm(sorted(keys, reverse=True), desc="shapewise capture", unit="size", disable=not show,
                         leave=False):
-            run = program.dispatch.exact[key]
+            run = runtime.table.exact[key]
             # Dummies made anew for the capture (both alive, so at other addresses): the graph copies
             # them in, as it will the caller's inputs, and uses the example inputs where they are.
             warm = dummy_inputs(program, key, example_inputs, written)
@@ -89,22 +92,22 @@ def capture_now(program: Program, example_inputs: Sequence[Any], progress: bool 
                 t.copy_(snapshot)  # undo the dummy calls' writes to a static KV cache (or parameters)
     torch.cuda.synchronize()
     info = {"sizes": [program.dispatch.describe_key(k) for k in sorted(keys)],
-            "seconds": round(time.perf_counter() - start, 3), **graph_memory(program)}
+            "seconds": round(time.perf_counter() - start, 3), **graph_memory(runtime.graphs)}
     log.info("shapewise: captured %d CUDA graph size(s) at start-up in %.1f s; graph pool %.1f MiB, static input "
              "buffers %.1f MiB, splitting ops' pools %.1f MiB", len(keys), info["seconds"], info["pool_bytes"] / 2**20,
              info["buffers_bytes"] / 2**20, info["split_pools_bytes"] / 2**20)
     return info
 
 
-def graph_memory(program: Program) -> dict[str, float]:
-    """The device memory a program's CUDA graphs hold, in bytes: their shared pool (the segments
+def graph_memory(graphs: GraphRuntime) -> dict[str, float]:
+    """The device memory a Runnable's CUDA graphs hold, in bytes: their shared pool (the segments
     the caching allocator keeps for it), the static input buffers, and the private pools the
     splitting ops of piecewise sizes allocate their outputs in."""
-    pieces = graphed_pieces(program)
+    pieces = graphs.pieces
     pools = {tuple(p.pool.handle) for p in pieces if p.pool.handle is not None}
     pool_bytes = sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                      if tuple(seg.get("segment_pool_id", ())) in pools)
-    buffers = {id(b): b for p in [*pieces, *staged_inputs(program)] for b in p.buffers
+    buffers = {id(b): b for p in [*pieces, *graphs.staged] for b in p.buffers
                if b is not None and b.storage is not None}
     buffer_bytes = sum(b.storage.numel() * b.storage.element_size() for b in buffers.values())
     split_pools = {id(p.group.split_pool): p.group.split_pool for p in pieces

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import sympy
@@ -48,14 +48,15 @@ from shapewise.dispatch.graphed import (
     is_fixed,
 )
 from shapewise.dispatch.padding import padded_entries
+from shapewise.dispatch.plan import GraphPlan, GraphSize, Layout
 from shapewise.errors import ConfigError
 from shapewise.ir.effects import inputs_aliased_by_outputs, mutated_inputs
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
 from shapewise.passes.base import Pass, register_pass
 
-__all__ = ["MODES", "CudaGraphs", "GraphedPiece", "SizeGraphs", "StagedInputs", "graphed_pieces", "is_fixed",
-           "staged_inputs"]
+__all__ = ["MODES", "CudaGraphs", "GraphRuntime", "GraphedPiece", "SizeGraphs", "StagedInputs", "build_graphs",
+           "is_fixed"]
 
 #: The capture modes: piecewise graphs, one full graph per size, or full up to a size and piecewise above.
 MODES = ("piecewise", "full", "full_and_piecewise")
@@ -63,12 +64,9 @@ MODES = ("piecewise", "full", "full_and_piecewise")
 log = logging.getLogger("shapewise")
 
 
-def _layout(meta: TensorMeta, values: Mapping[sympy.Symbol, int]) -> tuple[list[int], list[int], int]:
+def _layout(meta: TensorMeta, values: Mapping[sympy.Symbol, int]) -> Layout:
     shape, stride, offset = meta.at(values)
-    return list(shape), list(stride), offset
-
-
-Layout = tuple[list[int], list[int], int]
+    return tuple(shape), tuple(stride), offset
 
 
 def buffer_layouts(metas: Sequence[Any], symbols: Sequence[sympy.Symbol], keys: Sequence[tuple[tuple, Binding]],
@@ -90,8 +88,8 @@ def buffer_layouts(metas: Sequence[Any], symbols: Sequence[sympy.Symbol], keys: 
             variant = piece.variant_for(binding) if piece is not None else None
             arg = variant.example_args[i] if variant is not None and i < len(variant.example_args) else None
             if isinstance(arg, torch.Tensor):
-                layouts[key] = ([evaluate_at(d, values) for d in arg.shape],
-                                [evaluate_at(d, values) for d in arg.stride()],
+                layouts[key] = (tuple(evaluate_at(d, values) for d in arg.shape),
+                                tuple(evaluate_at(d, values) for d in arg.stride()),
                                 evaluate_at(arg.storage_offset(), values))
             else:
                 layouts[key] = _layout(meta, values)
@@ -184,7 +182,7 @@ class CudaGraphs(Pass):
         return sorted(out, key=lambda kb: kb[0], reverse=True)  # largest first into the shared pool
 
     def apply(self, program: Program) -> Program:
-        if getattr(program.lowering, "deferred", False):
+        if program.lowering is not None and program.lowering.deferred:
             raise ConfigError(
                 f"CudaGraphs captures compiled pieces, but Lower(compile={program.lowering.compile!r}) compiles them "
                 "later: use Lower(compile='eager_all') before CudaGraphs")
@@ -192,49 +190,22 @@ class CudaGraphs(Pass):
             raise ConfigError("cudagraphs=True needs a CUDA GPU; none is available")
         keys = self.capture_keys(program)
         shapes = program.shapes
-        pool = GraphPool()
-
-        def buffers_for(metas: Sequence[Any], piece: Piece | None = None,
-                        at: Sequence[tuple[tuple, Binding]] = keys) -> list[StaticBuffer | None]:
-            return [StaticBuffer(meta, layouts) if layouts is not None else None
-                    for meta, layouts in zip(metas, buffer_layouts(metas, shapes.symbols, at, piece))]
-
-        full = {key for key, _ in keys if self.is_full(key)}
-        whole_keys = [(k, b) for k, b in keys if k in full]
-        buffers = {p.name: buffers_for(p.shapes.inputs, p) for p in program.compute_pieces}
-        whole_buffers = buffers_for(shapes.inputs, at=whole_keys) if full else []
-        pieces_keys = [(k, b) for k, b in keys if k not in full]
-        staged_buffers = buffers_for(shapes.inputs, at=pieces_keys) if pieces_keys else []
-        written = frozenset(mutated_inputs(program.gm))
-        adoptable = split_fed_inputs(program) if self.split_pools and _compat.private_pools_available() else {}
+        sizes = tuple(GraphSize(k, b, self.is_full(k)) for k, b in keys)
+        whole = [(s.key, s.binding) for s in sizes if s.whole]
+        per_piece = [(s.key, s.binding) for s in sizes if not s.whole]
+        layouts: dict[str, tuple] = {p.name: tuple(buffer_layouts(p.shapes.inputs, shapes.symbols, per_piece, p))
+                                     for p in program.compute_pieces}
+        layouts["forward"] = tuple(buffer_layouts(shapes.inputs, shapes.symbols, whole))
+        layouts["staged"] = tuple(buffer_layouts(shapes.inputs, shapes.symbols, per_piece))
         device = next((m.device for m in shapes.inputs if isinstance(m, TensorMeta) and m.device.type == "cuda"),
                       None)
-        use_pools = device is not None and any(adoptable.values())
-        overrides = {}
-        for key, binding in keys:
-            callables = program.callables(binding)
-            if key not in full:
-                split_pool = (_compat.PrivatePool(device.index if device.index is not None else
-                                                  torch.cuda.current_device()) if use_pools else None)
-                group = SizeGraphs(key, pool, split_pool)
-                for p in program.pieces:
-                    if p.is_splitting:
-                        callables[p.name] = group.route(callables[p.name])
-                    else:
-                        in_place = adoptable.get(p.name, frozenset()) if use_pools else frozenset()
-                        callables[p.name] = GraphedPiece(callables[p.name], p.name, key, pool, buffers[p.name], group,
-                                                         in_place)
-            run = make_runner(program.graph, callables)
-            if key in full:
-                run = GraphedPiece(run, "forward", key, pool, whole_buffers)
-            else:
-                run = StagedInputs(run, key, pool, staged_buffers, written, group)
-            overrides[key] = _copy_out(run) if self.copy_outputs else run
+        in_place = split_fed_inputs(program) if self.split_pools and _compat.private_pools_available() else {}
+        split_pools = device is not None and any(in_place.values())
+        graphs = GraphPlan(sizes, layouts, in_place if split_pools else {}, frozenset(mutated_inputs(program.gm)),
+                           split_pools, self.copy_outputs, self.pad, self.capture == "startup")
         if self.pad:
-            overrides.update(padded_entries(program, overrides))
-        table = program.dispatch.with_exact(overrides)
-        return program.replace(dispatch=table, cudagraph_keys=tuple(k for k, _ in keys),
-                               capture_at_startup=self.capture == "startup" and bool(keys))
+            padded_entries(program, dict.fromkeys(graphs.keys))  # refuses a model padding cannot serve, now
+        return program.replace(dispatch=program.dispatch.replace(graphs=graphs))
 
     def is_full(self, key: tuple) -> bool:
         """Whether the size ``key`` gets one graph around the whole forward."""
@@ -269,26 +240,67 @@ def _copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
     def run_and_copy(*args: Any) -> Any:
         return clone_tensors(run(*args))
 
-    run_and_copy.__wrapped__ = run
     return run_and_copy
 
 
-def graphed_pieces(program: Program) -> list[GraphedPiece]:
-    """Every GraphedPiece reachable from the program's dispatch table (for tests and reports)."""
-    out = []
-    for fn in program.dispatch.exact.values():
-        run = getattr(fn, "__wrapped__", fn)  # the output copy (copy_outputs)
-        if isinstance(run, GraphedPiece):
-            out.append(run)
-            continue
-        run = run.run if isinstance(run, StagedInputs) else run  # piecewise sizes: the runner inside
-        for value in getattr(run, "__globals__", {}).values():
-            if isinstance(value, GraphedPiece):
-                out.append(value)
-    return out
+@dataclass
+class GraphRuntime:
+    """The live CUDA graphs of one Runnable, built from its ``GraphPlan``: the shared memory
+    ``pool``; ``entries``, the dispatch entries of the captured sizes (padded sizes too);
+    ``pieces``, every ``GraphedPiece`` (one per compute piece and piecewise size, one per
+    whole-forward size); ``staged``, the ``StagedInputs`` of each piecewise size; ``callables``,
+    per piecewise size, what its runner calls for each piece (its ``GraphedPiece``, or the
+    splitting op routed through the size's private pool)."""
+
+    pool: GraphPool
+    entries: dict[tuple, Callable[..., Any]]
+    pieces: list[GraphedPiece]
+    staged: list[StagedInputs]
+    callables: dict[tuple, dict[str, Callable[..., Any]]] = field(default_factory=dict)
 
 
-def staged_inputs(program: Program) -> list[StagedInputs]:
-    """Every StagedInputs (piecewise sizes' copy-in of the caller's tensors) in the dispatch table."""
-    return [run for fn in program.dispatch.exact.values()
-            if isinstance(run := getattr(fn, "__wrapped__", fn), StagedInputs)]
+def build_graphs(program: Program, plan: GraphPlan) -> GraphRuntime:
+    """The graphs ``plan`` describes, each captured on its size's first calls."""
+    pool = GraphPool()
+    shapes = program.shapes
+
+    def buffers(name: str, metas: Sequence[Any]) -> list[StaticBuffer | None]:
+        return [StaticBuffer(meta, layouts) if layouts is not None else None
+                for meta, layouts in zip(metas, plan.layouts[name])]
+
+    per_piece = {p.name: buffers(p.name, p.shapes.inputs) for p in program.compute_pieces}
+    whole = buffers("forward", shapes.inputs) if any(s.whole for s in plan.sizes) else []
+    staged_buffers = buffers("staged", shapes.inputs) if not all(s.whole for s in plan.sizes) else []
+    device = next((m.device for m in shapes.inputs if isinstance(m, TensorMeta) and m.device.type == "cuda"), None)
+    entries: dict[tuple, Callable[..., Any]] = {}
+    pieces: list[GraphedPiece] = []
+    staged: list[StagedInputs] = []
+    per_size: dict[tuple, dict[str, Callable[..., Any]]] = {}
+    for size in plan.sizes:
+        callables = program.callables(size.binding)
+        if size.whole:
+            run: Callable[..., Any] = GraphedPiece(make_runner(program.graph, callables), "forward", size.key, pool,
+                                                   whole)
+            pieces.append(run)
+        else:
+            split_pool = (_compat.PrivatePool(device.index if device.index is not None else torch.cuda.current_device())
+                          if plan.split_pools else None)
+            group = SizeGraphs(size.key, pool, split_pool)
+            for p in program.pieces:
+                if p.is_splitting:
+                    callables[p.name] = group.route(callables[p.name])
+                else:
+                    graphed = GraphedPiece(callables[p.name], p.name, size.key, pool, per_piece[p.name], group,
+                                           plan.in_place.get(p.name, frozenset()))
+                    callables[p.name] = graphed
+                    pieces.append(graphed)
+            run = StagedInputs(make_runner(program.graph, callables), size.key, pool, staged_buffers, plan.written,
+                               group)
+            staged.append(run)
+            per_size[size.key] = callables
+        entries[size.key] = _copy_out(run) if plan.copy_outputs else run
+    if plan.pad:
+        entries.update(padded_entries(program, entries))
+    return GraphRuntime(pool, entries, pieces, staged, per_size)
+
+

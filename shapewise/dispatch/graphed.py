@@ -51,7 +51,7 @@ class GraphPool:
 class StaticBuffer:
     """One static input buffer of a piece, sized for the largest captured layout."""
 
-    def __init__(self, meta: TensorMeta, layouts: Mapping[tuple, tuple[list[int], list[int], int]]) -> None:
+    def __init__(self, meta: TensorMeta, layouts: Mapping[tuple, tuple[Sequence[int], Sequence[int], int]]) -> None:
         self.meta = meta
         self.layouts = dict(layouts)
         self.storage: torch.Tensor | None = None

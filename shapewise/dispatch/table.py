@@ -15,7 +15,7 @@ from shapewise.errors import ConfigError, DispatchMiss
 from shapewise.ir.program import Binding, SymbolSource
 from shapewise.ir.report import html_table, text_table
 
-__all__ = ["DispatchTable", "key_function"]
+__all__ = ["DispatchTable", "describe_key", "key_function"]
 
 MISS_POLICIES = ("error", "dynamic", "eager")
 _MEMO_LIMIT = 4096
@@ -25,6 +25,11 @@ def key_function(sources: Sequence[SymbolSource]) -> Callable[[Sequence[Any]], t
     """A function ``args -> tuple of symbol values``, generated once (no loop per call)."""
     body = ", ".join(s.expr("args") for s in sources)
     return eval(f"lambda args: ({body}{',' if sources else ''})")  # noqa: S307 - generated from ints
+
+
+def describe_key(symbols: Sequence[sympy.Symbol], names: Mapping[sympy.Symbol, str], key: tuple) -> str:
+    """``{n=8}``, written as ``Binding.describe`` writes it (a shared name told apart by the symbol)."""
+    return Binding(tuple(zip(symbols, key))).describe(names)
 
 
 class DispatchTable:
@@ -61,9 +66,6 @@ class DispatchTable:
         self.fixed = dict(fixed or {})  # sizes the trace fixed (Dynamo specialised them), named in a miss
         self._lock = threading.Lock()
         self._memo = 0
-        #: Run-time state the dispatch stage attaches (compile session, background thread); see
-        #: ``dispatch.runnable.DispatchRuntime``.
-        self.runtime: Any = None
         # Grid: per symbol, the sorted cut points of all range boxes.
         d = len(self.symbols)
         self._cuts: list[list[int]] = [sorted({c for b, _ in ranges for c in (b.bounds()[j][0], b.bounds()[j][1] + 1)})
@@ -79,15 +81,11 @@ class DispatchTable:
                     raise ConfigError(f"range {binding.describe(self.names)} overlaps another range")
                 self._cells[cell] = runner
 
-    def with_exact(self, overrides: Mapping[tuple, Callable[..., Any]]) -> DispatchTable:
-        """A copy of this table whose exact dict has ``overrides`` added (ranges unchanged)."""
-        import copy
-
-        new = copy.copy(self)
-        new.exact = {**self.exact, **overrides}
-        new.static_keys = tuple(dict.fromkeys((*self.static_keys, *overrides)))
-        new._lock = threading.Lock()
-        return new
+    def add_exact(self, entries: Mapping[tuple, Callable[..., Any]]) -> None:
+        """Serve ``entries`` (key → runner) by exact lookup, before any range or earlier entry
+        that holds the key (the CUDA graphs of the captured sizes)."""
+        self.exact.update(entries)
+        self.static_keys = tuple(dict.fromkeys((*self.static_keys, *entries)))
 
     def replace_runner(self, old: Callable[..., Any], new: Callable[..., Any]) -> None:
         """Put ``new`` wherever ``old`` is (exact entries, memoised range hits, range cells):
@@ -101,8 +99,12 @@ class DispatchTable:
                 self._cells[cell] = new
 
     def describe_key(self, key: tuple) -> str:
-        """``{n=8}``, written as ``Binding.describe`` writes it (a shared name told apart by the symbol)."""
-        return Binding(tuple(zip(self.symbols, key))).describe(self.names)
+        return describe_key(self.symbols, self.names, key)
+
+    @property
+    def miss_runner(self) -> Callable[[tuple], Callable[..., Any]] | None:
+        """What builds a runner for a size nothing covers (the miss policy's; None: misses raise)."""
+        return self._miss_runner
 
     def find_range(self, key: tuple) -> Callable[..., Any] | None:
         cell = []

@@ -107,7 +107,9 @@ def format_program(program: Program) -> str:
     else:
         out.append("# graph\n" + format_graph(program.gm))
     if program.dispatch is not None:
-        out.append("# dispatch\n" + "\n".join(f"{r['kind']:5} {r['key']}" for r in program.dispatch.rows()))
+        rows = program.dispatch.rows()
+        lines = [f"{r['kind']:5} {r['key']}" + (f"  ({r['runs']})" if r.get("runs") else "") for r in rows]
+        out.append("# dispatch\n" + "\n".join(lines))
     return "\n".join(out)
 
 

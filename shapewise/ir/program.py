@@ -246,14 +246,14 @@ class Program:
 
     ``gm``: the whole traced graph; ``graph``: the stitching graph (calls ``piece_i``
     submodules in order); ``pieces``; ``shapes``: the whole graph's ``ShapeInfo``;
-    ``bindings``: the variants to build; ``dispatch``: the table, once built.
+    ``bindings``: the variants to build; ``dispatch``: the dispatch plan, once made
+    (``dispatch.plan.DispatchPlan``: data; the Runnable builds the live table from it).
 
     Set by the caller: ``symbol_names`` ({symbol or its name: dim name}, read by AnalyzeShapes; a
     name that is no symbol of the graph is a ConfigError), ``on_miss`` (overrides BuildDispatch's),
     ``inputs_guarded_by`` ("dynamo" when Dynamo's guards check the inputs, so the dispatch adds
     none). Set by the stages: ``split_plan`` and
-    ``splitting_ops`` (Split), ``cudagraph_keys`` and ``capture_at_startup`` (CudaGraphs: the sizes
-    captured, and whether the Runnable captures them all on its first call), ``lowering`` (the
+    ``splitting_ops`` (Split), ``lowering`` (the
     Lower pass, a frozen spec, whose variants these are: the dispatch compiles lazy and background
     variants with it), ``fixed_sizes`` (Concretize: the dims this trace fixed, by name), ``rewrites`` (the Rewrite
     passes applied, frozen specs: the dispatch applies them to the variants it makes itself).
@@ -271,8 +271,6 @@ class Program:
     inputs_guarded_by: str | None = None
     split_plan: Any = None
     splitting_ops: tuple[Any, ...] = ()
-    cudagraph_keys: tuple[tuple, ...] = ()
-    capture_at_startup: bool = False
     fixed_sizes: Mapping[str, int] = field(default_factory=dict)
     rewrites: tuple[Any, ...] = ()
 

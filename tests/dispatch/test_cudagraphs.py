@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import shapewise as sw
-from shapewise.dispatch.cudagraphs import CudaGraphs, graphed_pieces, staged_inputs
+from shapewise.dispatch.cudagraphs import CudaGraphs, GraphRuntime
+from shapewise.dispatch.graphed import GraphPool
+from shapewise.dispatch.plan import GraphPlan, GraphSize
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, ToyTransformer, attention
 from tests.helpers import assert_same, column_major_after, dynamo_graph
 
@@ -60,10 +62,10 @@ def test_static_buffers_take_the_layout_each_variant_was_compiled_for():
             shape, stride, offset = per_key[key]
             if binding.is_static:  # the layout the variant was compiled for
                 arg = variant.example_args[i]
-                assert (shape, stride, offset) == (list(arg.shape), list(arg.stride()), arg.storage_offset())
+                assert (shape, stride, offset) == (tuple(arg.shape), arg.stride(), arg.storage_offset())
     strides = {key: [per_key[key][1] for per_key in layouts if per_key is not None] for key, _ in keys}
-    assert [0, 1] in strides[(1,)]  # eager's stride-0 view at n=1, not the traced contiguous layout
-    assert [0, 1] not in strides[(2,)] and [0, 1] not in strides[(4,)]
+    assert (0, 1) in strides[(1,)]  # eager's stride-0 view at n=1, not the traced contiguous layout
+    assert (0, 1) not in strides[(2,)] and (0, 1) not in strides[(4,)]
 
 
 def test_static_buffer_inside_a_range_takes_the_range_variants_layout():
@@ -81,7 +83,7 @@ def test_static_buffer_inside_a_range_takes_the_range_variants_layout():
     layouts = [per_key[(5,)] for per_key in buffer_layouts(cuda_metas, program.shapes.symbols, keys, last) if per_key]
     x = torch.randn(5, 5)
     z = x.t().contiguous().t()[::3] * 2  # column-major at 5, as the range variant before it makes it
-    assert (list(z.shape), list(z.stride()), 0) in layouts
+    assert (tuple(z.shape), z.stride(), 0) in layouts
 
 
 @pytest.mark.gpu
@@ -116,7 +118,7 @@ def test_replay_matches_uncaptured_and_never_goes_stale(backend, mode):
         a_copy = a.clone()
         graphed(b_ids)
         assert torch.equal(a, a_copy)
-    pieces = graphed_pieces(graphed.program)
+    pieces = graphed.runnable.runtime.graphs.pieces
     assert {p.key for p in pieces} == {(1,), (2,), (8,), (24,)}
     assert all(p.graph is not None and p.fallbacks == 0 for p in pieces)
 
@@ -131,7 +133,7 @@ def test_moved_parameter_falls_back_instead_of_reading_stale_memory():
         graphed(ids)  # captured
         model.head.weight = torch.nn.Parameter(model.head.weight.detach() * 2)  # a new tensor
         assert_same(graphed(ids), model(ids))
-    assert any(p.fallbacks for p in graphed_pieces(graphed.program))
+    assert any(p.fallbacks for p in graphed.runnable.runtime.graphs.pieces)
 
 
 def _accumulate(x, total):
@@ -214,7 +216,7 @@ def test_full_and_piecewise_at_startup_captures_every_size_on_the_first_call(bac
         for n in (8, 1, 32, 2, 8, 1):
             ids = torch.randint(0, 128, (n,), device="cuda")
             assert_same(graphed(ids), model(ids), f"n={n}")
-            pieces = graphed_pieces(graphed.program)
+            pieces = graphed.runnable.runtime.graphs.pieces
             assert all(p.graph is not None for p in pieces)  # all captured before the first answer
     runnable = graphed.runnable
     assert runnable.capture_info["sizes"] == ["{n=1}", "{n=2}", "{n=8}", "{n=32}"]
@@ -237,10 +239,10 @@ def test_an_attention_that_writes_its_output_costs_no_copy_between_graphs():
         for _ in range(3):
             ids = torch.randint(0, 128, (4,), device="cuda")
             assert_same(graphed(ids), model(ids))
-    pieces = graphed_pieces(graphed.program)
+    pieces = graphed.runnable.runtime.graphs.pieces
     assert len(pieces) == 3 and all(p.graph is not None for p in pieces)
     assert sum(len(p.copy_slots) for p in pieces) == 0
-    assert [len(s.slots) for s in staged_inputs(graphed.program)] == [1]  # the ids, copied in once
+    assert [len(s.slots) for s in graphed.runnable.runtime.graphs.staged] == [1]  # the ids, copied in once
 
 
 class Residual(torch.nn.Module):
@@ -270,13 +272,13 @@ def test_the_callers_input_is_copied_in_once_for_every_graph_that_reads_it(split
                 # both would be read in place, as a buffer the caller keeps)
                 x.mul_(-1)  # the caller writes its tensor between calls: the next call reads the new values
                 assert_same(graphed(x), model(x), f"n={n}, written")
-    pieces = graphed_pieces(graphed.program)
+    pieces = graphed.runnable.runtime.graphs.pieces
     assert all(p.graph is not None and p.fallbacks == 0 for p in pieces)
     for key in ((4,), (8,)):
         # The attention's output: read where the op put it (its private pool), or copied in.
         assert sum(len(p.adopted) for p in pieces if p.key == key) == int(split_pools)
         assert sum(len(p.copy_slots) for p in pieces if p.key == key) == int(not split_pools)
-        assert [len(s.slots) for s in staged_inputs(graphed.program) if s.key == key] == [1]  # x, once
+        assert [len(s.slots) for s in graphed.runnable.runtime.graphs.staged if s.key == key] == [1]  # x, once
     assert all(p.group.recaptures == 0 for p in pieces)
 
 
@@ -319,11 +321,11 @@ def test_a_splitting_output_that_moves_makes_its_size_capture_again_with_a_copy(
                 x = torch.randn(4, 16, device="cuda")
                 assert_same(graphed(x), model(x), f"call {call}")
                 if call == 3:  # warmed up, captured, replayed: the op's output read in place
-                    (second,) = [p for p in graphed_pieces(graphed.program) if p.adopted]
+                    (second,) = [p for p in graphed.runnable.runtime.graphs.pieces if p.adopted]
                     assert not second.copy_slots and second.group.adopt
     finally:
         _HOLD.clear()
-    pieces = graphed_pieces(graphed.program)
+    pieces = graphed.runnable.runtime.graphs.pieces
     assert all(p.graph is not None for p in pieces)  # captured again: call 4 moved, 5 warmed up, 6 captured
     assert second.group.recaptures == 1 and not second.group.adopt
     assert not second.adopted and len(second.copy_slots) == 1  # now copied in, every call
@@ -363,24 +365,40 @@ def test_dummy_inputs_use_what_the_graph_writes_where_it_is():
     assert args[i_x].shape == (2, 3) and args[i_x] is not example[i_x]  # zeros at the size captured
 
 
+def _planned_graphs(program, keys):
+    """``program`` with CUDA graphs planned at ``keys`` (whole-forward), for the CPU tests of
+    start-up capture: a runtime built with ``_no_graphs`` runs its plain runners there."""
+    plan = program.dispatch
+    sizes = tuple(GraphSize(k, next(b for b in plan.exact if b.key == k), True) for k in keys)
+    return program.replace(dispatch=plan.replace(graphs=GraphPlan(sizes, {}, at_startup=True)))
+
+
+def _no_graphs(program, plan):
+    return GraphRuntime(GraphPool(), {}, [], [])
+
+
 def test_startup_capture_leaves_what_the_graph_writes_as_it_was(monkeypatch):
     # capture_now's two dummy calls write the caller's cache and accumulator: restored afterwards.
-    from shapewise.dispatch import capture
+    from shapewise.dispatch import capture, runtime
 
     program, example, total, cache = _accumulate_program()
-    program = program.replace(cudagraph_keys=((2,),), capture_at_startup=True)
+    program = _planned_graphs(program, [(2,)])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # an eager program on the CPU
-    monkeypatch.setattr(capture, "graph_memory", lambda p: {"pool_bytes": 0, "buffers_bytes": 0,
+    monkeypatch.setattr(runtime, "build_graphs", _no_graphs)
+    monkeypatch.setattr(capture, "graph_memory", lambda g: {"pool_bytes": 0, "buffers_bytes": 0,
                                                             "split_pools_bytes": 0})
     before = cache.clone()  # (the trace ran the function once)
-    capture.capture_now(program, example, progress=False)
+    capture.capture_now(program, runtime.build_runtime(program), example, progress=False)
     assert torch.equal(total, torch.full((3,), 7.0)) and torch.equal(cache, before)
 
 
-def test_a_failed_startup_capture_is_reported_and_the_calls_go_on(caplog):
+def test_a_failed_startup_capture_is_reported_and_the_calls_go_on(caplog, monkeypatch):
+    from shapewise.dispatch import runtime
+
     gm = dynamo_graph(lambda x: x * 2, torch.randn(4, 3))
     runnable = sw.Pipeline([sw.Concretize(sizes=[2, 4]), sw.Lower(backend="eager"), sw.BuildDispatch()]).run(gm)
-    program = runnable.program.replace(cudagraph_keys=((2,), (4,)), capture_at_startup=True)
+    program = _planned_graphs(runnable.program, [(2,), (4,)])
+    monkeypatch.setattr(runtime, "build_graphs", _no_graphs)
     if torch.cuda.is_available():
         pytest.skip("the failure this test provokes is the missing GPU")
     broken = type(runnable)(program)  # capture_now fails here: no CUDA to synchronise

@@ -291,8 +291,10 @@ def test_background_never_blocks_a_call():
     assert fast.runnable.wait(timeout=60)
     rows = fast.report()
     assert {r["source"] for r in rows} <= {"compiled", "reused"} and len(rows) >= 6
-    table = fast.runnable.table
-    assert all(not hasattr(getattr(fn, "__wrapped__", fn), "fallback") for fn in table.exact.values()), \
+    runtime = fast.runnable.runtime
+    assert runtime.deferred and all(d.final is not None for d, _ in runtime.deferred.values())
+    entries = runtime.table.exact.values()
+    assert not any(stand_in is fn for _, stand_in in runtime.deferred.values() for fn in entries), \
         "ready bindings are swapped into the table"
     for n in (2, 4, 9):
         ids = torch.randint(0, 64, (n,))

@@ -92,19 +92,18 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
     # are used where they are because they stayed there from the warm-up to the capture. Only the
     # step's fresh inputs (the token, its position, the mask: a few elements each) are copied in,
     # and nothing is written back.
-    from shapewise.dispatch.cudagraphs import graphed_pieces, staged_inputs
-
-    decode = fast.runnables[1].program
-    pieces = graphed_pieces(decode)
+    graphs = fast.runnables[1].runtime.graphs
+    pieces = graphs.pieces
     copied = [static for p in pieces for _, static in p.copy_slots] + \
-        [static for s in staged_inputs(decode) for _, static in s.slots]
+        [static for s in graphs.staged for _, static in s.slots]
     assert pieces and all(p.graph is not None for p in pieces)
     assert not any(p.write_back for p in pieces), [len(p.write_back) for p in pieces]
     assert all(t.numel() <= 64 for t in copied), [tuple(t.shape) for t in copied]
     assert sum(len(p.kept) for p in pieces) >= 4  # the 2 layers' keys and values
     # Under full graphs compile_generate splits nothing (a split would only stop Inductor fusing
     # across the attention); piecewise graphs are split at SDPA.
-    assert (len(decode.pieces) == 1) == (cudagraphs == "full"), [p.name for p in decode.pieces]
+    assert (len(fast.runnables[1].program.pieces) == 1) == (cudagraphs == "full"), \
+        [p.name for p in fast.runnables[1].program.pieces]
 
 
 def _greedy_equal(model, fast_options, prompts, new_tokens=10):

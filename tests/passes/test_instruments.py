@@ -238,11 +238,17 @@ def test_shapes_and_dispatch_table_display():
     assert str(shapes) == format_shapes(shapes)
     html = shapes._repr_html_()
     assert "symbols" in html and "guards" in html and "Mod(" in html and str(shapes.symbols[0]) in html
-    table = runnable.program.dispatch
+    n = str(shapes.symbols[0])
+    plan = runnable.program.dispatch  # the plan, data: what the program prints
+    text = str(plan)
+    assert text.splitlines()[0].startswith("DispatchPlan: 2 exact, 0 ranges, on_miss='error', compile='eager_all'")
+    assert [line.split() for line in text.splitlines()[-2:]] == [["exact", f"{{{n}=2}}", "compiled"],
+                                                               ["exact", f"{{{n}=4}}", "compiled"]]
+    assert "<caption" in plan._repr_html_() and "exact" in plan._repr_html_()
+    table = runnable.table  # the live table the runnable built from it
     text = str(table)
     assert text.splitlines()[0].startswith("DispatchTable: 2 exact, 0 ranges, on_miss='error'")
-    assert text.splitlines()[-2:] == ["exact  {n=2}".replace("n", str(shapes.symbols[0])),
-                                      "exact  {n=4}".replace("n", str(shapes.symbols[0]))]
+    assert text.splitlines()[-2:] == [f"exact  {{{n}=2}}", f"exact  {{{n}=4}}"]
     assert "<caption" in table._repr_html_() and "exact" in table._repr_html_()
 
 
