@@ -44,13 +44,13 @@ class ReluToClamp(sw.GraphPass):
         return all(isinstance(v, int) and v <= self.limit for v in sizes.values())
 
     def rewrite(self, gm, sizes):
-        subgraph_rewriter.replace_pattern(gm, _relu, _clamp)
-        return gm
+        return sw.PassResult(gm, bool(subgraph_rewriter.replace_pattern(gm, _relu, _clamp)))
 
 
 @dataclass(frozen=True)
 class DropRelu(ReluToClamp):
-    """A wrong rewrite (relu removed) at small sizes: Verify must catch it."""
+    """A wrong rewrite (relu removed) at small sizes: Verify must catch it. Returns the bare graph
+    (the form without ``PassResult``: modified where its code differs)."""
 
     name: ClassVar[str] = "drop_relu"
 
@@ -187,7 +187,7 @@ class CountAdds(sw.InductorPass):
     def applies(self, sizes):
         return all(isinstance(v, int) and v <= 2 for v in sizes.values())
 
-    def __call__(self, graph):
+    def rewrite(self, graph):
         self.seen.append(sum(1 for n in graph.nodes if "add" in str(n.target)))
 
     def spec(self):
@@ -262,9 +262,11 @@ def test_the_on_miss_variant_is_rewritten_too_and_fixed_dims_reach_the_pass():
 def test_rewrite_after_lower_is_refused():
     w = torch.randn(16, 16)
     gm = dynamo_graph(model, torch.randn(4, 16), w)
-    with pytest.raises(sw.ConfigError, match="Rewrite runs before Lower"):
-        sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[4]), sw.Lower(backend="aot_eager"),
-                     sw.Rewrite(passes=[ReluToClamp()])]).run(gm)
+    for late in (sw.Rewrite(passes=[ReluToClamp()]), ReluToClamp()):
+        with pytest.raises(sw.ConfigError, match=r"graph passes run before Lower: .* put relu_to_clamp|"
+                                                 r"graph passes run before Lower: .* put rewrite\{passes=relu"):
+            sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[4]), sw.Lower(backend="aot_eager"),
+                         late]).run(gm)
 
 
 # -- a value-preserving rewrite whose every run is counted --------------------------------------------

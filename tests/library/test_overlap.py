@@ -1,4 +1,4 @@
-"""``sw.passes.OverlapAllReduce``: row-parallel linear layers and their all-reduces in row chunks.
+"""``sw.library.OverlapAllReduce``: row-parallel linear layers and their all-reduces in row chunks.
 One gloo rank in this process (the all-reduce is then the identity, so eager is the reference);
 two ranks, and Inductor's order of the chunks' collectives, are in ``tests/distributed``."""
 
@@ -72,13 +72,13 @@ def test_chunks_above_min_tokens_and_answers_the_same(one_rank):
     model = RowParallel().eval()
     sizes = [4, 64, 200]
     fast = sw.compile(model, sizes=sizes, ranges=[(5, 63)], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)])
+                      graph_passes=[sw.library.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)])
     with torch.no_grad():
         for n in [*sizes, 9, 40]:
             x = torch.randn(n, 32)
             assert_same(fast(x), model(x), f"n={n}")
     # 200 rows: slices of 48, 48, 48, 56; 64 rows: four of 16; 4 rows and the range: untouched.
-    assert sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)._bounds(200) == [48, 48, 48, 56]
+    assert sw.library.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)._bounds(200) == [48, 48, 48, 56]
     assert _collectives(fast, 200) == 8 and _collectives(fast, 64) == 8 and _collectives(fast, 4) == 2
     labels = {row["key"]: row["passes"] for row in fast.report()}
     assert "overlap_all_reduce" in labels["{n=200}"] and not labels["{n=4}"] and not labels["{n=5..63}"]
@@ -89,7 +89,7 @@ def _sliced_at_64(model: nn.Module, chunks: int) -> str:
     checked against eager: the rewritten graph's code."""
     torch.manual_seed(0)
     fast = sw.compile(model.eval(), sizes=[64], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=chunks, min_tokens=64, align=16, min_slice=16)])
+                      graph_passes=[sw.library.OverlapAllReduce(chunks=chunks, min_tokens=64, align=16, min_slice=16)])
     with torch.no_grad():
         x = torch.randn(64, 32)
         assert_same(fast(x), model(x), "n=64")
@@ -115,7 +115,7 @@ def test_a_node_that_mixes_rows_ends_the_chunked_region(one_rank):
 
 
 def test_slice_sizes():
-    bounds = sw.passes.OverlapAllReduce(chunks=4, align=256, min_slice=256)._bounds
+    bounds = sw.library.OverlapAllReduce(chunks=4, align=256, min_slice=256)._bounds
     assert bounds(4096) == [1024] * 4  # whole 256-row matmul tiles
     assert bounds(1000) == [256, 256, 488]  # three slices: four would be under 256 rows
     assert bounds(600) == [256, 344]
@@ -126,13 +126,13 @@ def test_slice_sizes():
 
 
 def test_slices_are_never_under_min_slice():
-    bounds = sw.passes.OverlapAllReduce()._bounds  # chunks=4, align=256, min_slice=1024
+    bounds = sw.library.OverlapAllReduce()._bounds  # chunks=4, align=256, min_slice=1024
     assert bounds(4096) == [1024] * 4 and bounds(2048) == [1024, 1024] and bounds(3000) == [1280, 1720]
     assert bounds(2047) is None
 
 
 def test_bad_options_are_refused():
     with pytest.raises(ConfigError, match="chunks"):
-        sw.passes.OverlapAllReduce(chunks=1)
+        sw.library.OverlapAllReduce(chunks=1)
     with pytest.raises(ConfigError, match="min_tokens"):
-        sw.passes.OverlapAllReduce(min_tokens=0)
+        sw.library.OverlapAllReduce(min_tokens=0)
