@@ -1,5 +1,5 @@
-"""``sw.library.DecodeGemv`` and the ``shapewise::gemv`` op: the rewrite and its gating on the
-CPU (where the op is ``F.linear``), the kernel itself on the GPU (marker ``gpu``)."""
+"""``sw.library.DecodeGemv`` and the ``shapewise::gemv`` op: the rewrite (graph before and after) and
+its gating on the CPU (where the op is ``F.linear``), the kernel itself on the GPU (marker ``gpu``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 import shapewise as sw
 from shapewise.library.kernels.gemv import GemvConfig, gemv_configs
-from tests.helpers import assert_same
+from tests.helpers import assert_before_after, assert_same, dynamo_graph
 
 CPU = dict(devices=("cpu",), dtypes=("float32",))
 
@@ -29,6 +29,42 @@ class FourForms(nn.Module):
         y = self.b(torch.relu(self.a(x)))
         flat = y.reshape(-1, y.shape[-1])
         return y @ self.w.t(), torch.addmm(self.bias, flat, self.w.T), torch.mm(flat, self.w.transpose(0, 1))
+
+
+LINEAR_THEN_MATMUL = """
+    def forward(self, l_x_, l_w_, l_b_, l_v_):
+        linear = torch._C._nn.linear(l_x_, l_w_, l_b_)
+        relu = torch.relu(linear)
+        t = l_v_.t()
+        matmul = relu @ t
+        return (matmul,)
+"""
+
+
+def test_the_rewrite_at_a_decode_size_and_above_max_tokens():
+    w, b, v = torch.randn(8, 16), torch.randn(8), torch.randn(8, 8)
+
+    def f(x):
+        return torch.relu(F.linear(x, w, b)) @ v.t()
+
+    gm = dynamo_graph(f, torch.randn(4, 16))
+    gemv = sw.library.DecodeGemv(max_tokens=4, **CPU)
+    out = assert_before_after(gemv, sw.Concretize(sizes=[2])(gm), LINEAR_THEN_MATMUL, """
+        def forward(self, l_x_, l_w_, l_b_, l_v_):
+            gemv_default = torch.ops.shapewise.gemv.default(l_x_, l_w_, l_b_)
+            relu = torch.relu(gemv_default)
+            gemv_default_1 = torch.ops.shapewise.gemv.default(relu, l_v_, None)
+            return (gemv_default_1,)
+    """)
+    (variant,) = out.compute_pieces[0].variants
+    x = torch.randn(2, 16)
+    assert_same(variant.gm(x, w, b, v)[0], f(x))
+    assert gemv.uuid() in variant.passes
+    # 8 rows: over max_tokens, the rewrite says it changed nothing and the variant keeps the piece's graph
+    above = assert_before_after(gemv, sw.Concretize(sizes=[8])(gm), LINEAR_THEN_MATMUL, LINEAR_THEN_MATMUL)
+    assert above.compute_pieces[0].variants[0].gm is None and not above.compute_pieces[0].variants[0].passes
+    result = gemv.rewrite(gm, sw.passes.VariantSizes({"n": 8}))
+    assert isinstance(result, sw.PassResult) and result.modified is False
 
 
 def _gemv_count(fast, n: int) -> int:

@@ -12,7 +12,7 @@ from torch import nn
 
 import shapewise as sw
 from shapewise.errors import ConfigError
-from tests.helpers import assert_same
+from tests.helpers import assert_before_after, assert_same, dynamo_graph
 
 
 @pytest.fixture
@@ -65,6 +65,47 @@ class Mixed(nn.Module):
         h = x + funcol.all_reduce(self.a(x).relu(), "sum", dist.group.WORLD)
         h = torch.cumsum(h, 0) / 8
         return funcol.all_reduce(self.b(h), "sum", dist.group.WORLD).softmax(-1)
+
+
+def test_the_rewrite_in_two_pipelined_slices(one_rank):
+    import torch.distributed._functional_collectives as funcol
+
+    o = torch.randn(16, 16)
+
+    def f(x):
+        return x + funcol.all_reduce(F.linear(x, o), "sum", dist.group.WORLD)
+
+    gm = dynamo_graph(f, torch.randn(64, 16))
+    overlap = sw.library.OverlapAllReduce(chunks=2, min_tokens=64, align=16, min_slice=16)
+    out = assert_before_after(overlap, sw.Concretize(sizes=[64])(gm), """
+        def forward(self, l_x_, l_o_):
+            linear = torch._C._nn.linear(l_x_, l_o_)
+            tensor = torch.ops._c10d_functional.all_reduce(linear, 'sum', '<group>')
+            wait_tensor = torch.ops._c10d_functional.wait_tensor(tensor)
+            add = l_x_ + wait_tensor
+            return (add,)
+    """, """
+        def forward(self, l_x_, l_o_):
+            split = torch.functional.split(l_x_, [32, 32], dim = 0)
+            getitem = split[0]
+            getitem_1 = split[1]
+            linear = torch._C._nn.linear(getitem, l_o_)
+            tensor = torch.ops._c10d_functional.all_reduce(linear, 'sum', '<group>')
+            linear_1 = torch._C._nn.linear(getitem_1, l_o_)
+            tensor_1 = torch.ops._c10d_functional.all_reduce(linear_1, 'sum', '<group>')
+            wait_tensor = torch.ops._c10d_functional.wait_tensor(tensor)
+            add = getitem + wait_tensor
+            wait_tensor_1 = torch.ops._c10d_functional.wait_tensor(tensor_1)
+            add_1 = getitem_1 + wait_tensor_1
+            cat = torch.cat([add, add_1], dim = 0)
+            return (cat,)
+    """)
+    (variant,) = out.compute_pieces[0].variants
+    x = torch.randn(64, 16)
+    assert_same(variant.gm(x, o)[0], f(x))
+    assert dict(variant.inductor_options) == overlap.inductor_options()
+    # Under min_tokens: the rewrite says it changed nothing, and the variant keeps the piece's graph.
+    assert sw.library.OverlapAllReduce(min_tokens=128).rewrite(gm, sw.passes.VariantSizes({})).modified is False
 
 
 def test_chunks_above_min_tokens_and_answers_the_same(one_rank):

@@ -16,7 +16,7 @@ import shapewise as sw
 from shapewise._compat import no_inductor_caches
 from shapewise.lower import Lower
 from shapewise.models import ATTENTION_OP
-from tests.helpers import assert_same, dynamo_graph, graph_args
+from tests.helpers import assert_before_after, assert_same, dynamo_graph, graph_args
 
 
 def model(x, w):
@@ -61,6 +61,28 @@ class DropRelu(ReluToClamp):
 
 def _targets(gm):
     return {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+RELU_PLUS_ONE = """
+    def forward(self, l_x_):
+        relu = torch.relu(l_x_)
+        add = relu + 1
+        return (add,)
+"""
+
+
+def test_the_rewrite_turns_relu_into_clamp_where_it_applies_and_nowhere_else():
+    gm = dynamo_graph(lambda x: torch.relu(x) + 1, torch.randn(4, 3))
+    out = assert_before_after(ReluToClamp(limit=2), sw.Concretize(sizes=[2])(gm), RELU_PLUS_ONE, """
+        def forward(self, l_x_):
+            clamp_min = torch.clamp_min(l_x_, 0.0)
+            add = clamp_min + 1
+            return (add,)
+    """)
+    x = torch.randn(2, 3)
+    assert_same(out.compute_pieces[0].variants[0].gm(x)[0], torch.relu(x) + 1)
+    same = assert_before_after(ReluToClamp(limit=2), sw.Concretize(sizes=[4])(gm), RELU_PLUS_ONE, RELU_PLUS_ONE)
+    assert same.compute_pieces[0].variants[0].gm is None  # not applied: the piece's graph, shared
 
 
 def test_a_pass_rewrites_only_the_variants_it_applies_to_and_answers_stay_right():
