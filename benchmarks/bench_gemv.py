@@ -1,5 +1,5 @@
 """Decode GEMV on one GPU: cuBLAS (``F.linear``) against ``shapewise::gemv`` (the Triton kernel
-``sw.passes.DecodeGemv`` puts in graphs), at 1-16 rows, on the weight shapes of a 7B Llama.
+``sw.library.DecodeGemv`` puts in graphs), at 1-16 rows, on the weight shapes of a 7B Llama.
 
 Per (weight [N, K], rows M): both contenders are checked against a float64 reference on fresh
 random inputs, then timed as CUDA-graph replays of one call per weight copy, over enough copies
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hardware import cuda_median_us  # noqa: E402
 
-from shapewise.kernels.gemv import gemv_config  # noqa: E402  (also registers shapewise::gemv)
+from shapewise.library.kernels.gemv import gemv_config  # noqa: E402  (also registers shapewise::gemv)
 
 SHAPES = [(4096, 4096), (4096, 11008), (12288, 4096), (22016, 4096)]  # [N, K]: o, down, qkv, gate_up
 

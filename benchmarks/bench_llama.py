@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         run("shapewise static+full cudagraph", shapewise(cudagraphs="full"), tokens)
         run("shapewise full_and_piecewise (startup capture)",
             shapewise(cudagraphs={"mode": "full_and_piecewise", "capture": "startup"}), tokens)
-        gemv = [sw.passes.DecodeGemv(max_tokens=16)]
+        gemv = [sw.library.DecodeGemv(max_tokens=16)]
         run("shapewise full cudagraph+DecodeGemv", shapewise(cudagraphs="full", graph_passes=gemv), tokens)
         run("shapewise full_and_piecewise+DecodeGemv",
             shapewise(cudagraphs={"mode": "full_and_piecewise", "capture": "startup"}, graph_passes=gemv), tokens)

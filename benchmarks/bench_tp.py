@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from hardware import cpu_name  # noqa: E402
 
-from shapewise.kernels.gemv import tuning_stats as gemv_tuning_stats  # noqa: E402
+from shapewise.library.kernels.gemv import tuning_stats as gemv_tuning_stats  # noqa: E402
 from shapewise.models import ATTENTION_OP as ATTN  # noqa: E402
 from shapewise.models import TPLlama  # noqa: E402
 
@@ -94,9 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sw-full-up-to", type=int, default=None,
                     help="full_and_piecewise: the largest size captured whole (default: shapewise's)")
     ap.add_argument("--decode-gemv", type=int, default=0, metavar="MAX_TOKENS",
-                    help="add sw.passes.DecodeGemv(max_tokens=MAX_TOKENS) to shapewise (0: off, the default)")
+                    help="add sw.library.DecodeGemv(max_tokens=MAX_TOKENS) to shapewise (0: off, the default)")
     ap.add_argument("--overlap", type=int, default=0, metavar="MIN_TOKENS",
-                    help="add sw.passes.OverlapAllReduce(chunks=--overlap-chunks, min_tokens=MIN_TOKENS) to shapewise "
+                    help="add sw.library.OverlapAllReduce(chunks=--overlap-chunks, min_tokens=MIN_TOKENS) to shapewise "
                          "(0: off, the default)")
     ap.add_argument("--overlap-chunks", type=int, default=4, help="OverlapAllReduce's chunks (default 4)")
     ap.add_argument("--backend", default="inductor", help="shapewise backend (inductor; aot_eager for a fast smoke)")
@@ -287,9 +287,9 @@ class Rank:
         mode = cudagraphs_option(a)
         name = f"shapewise {a.sw_mode}" + (f"+DecodeGemv({a.decode_gemv})" if a.decode_gemv else "") + (
             f"+Overlap({a.overlap_chunks}@{a.overlap})" if a.overlap else "")
-        passes = [sw.passes.DecodeGemv(max_tokens=a.decode_gemv)] if a.decode_gemv else []
+        passes = [sw.library.DecodeGemv(max_tokens=a.decode_gemv)] if a.decode_gemv else []
         if a.overlap:
-            passes.append(sw.passes.OverlapAllReduce(chunks=a.overlap_chunks, min_tokens=a.overlap))
+            passes.append(sw.library.OverlapAllReduce(chunks=a.overlap_chunks, min_tokens=a.overlap))
         row: dict[str, Any] = {"us": {}, "first_call_s": {}}
         r["contenders"][name] = row
         self.barrier()

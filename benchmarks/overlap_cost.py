@@ -57,7 +57,7 @@ def main() -> None:
     ids = {n: torch.randint(0, 16000, (n,), device="cuda") for n in tokens}
     refs = {n: model(x) for n, x in ids.items()}
     rows = {}
-    contenders = [("plain", [])] + [(f"sliced{c}", [sw.passes.OverlapAllReduce(chunks=int(c), min_tokens=min(tokens))])
+    contenders = [("plain", [])] + [(f"sliced{c}", [sw.library.OverlapAllReduce(chunks=int(c), min_tokens=min(tokens))])
                                     for c in args.chunks.split(",")]
     for label, passes in contenders:
         torch._dynamo.reset()

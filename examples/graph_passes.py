@@ -46,9 +46,8 @@ class TanhGelu(sw.GraphPass):
     def applies(self, sizes: sw.passes.Sizes) -> bool:
         return all(isinstance(v, int) and v <= self.max_tokens for v in sizes.values())
 
-    def rewrite(self, gm: torch.fx.GraphModule, sizes: sw.passes.Sizes) -> torch.fx.GraphModule:
-        subgraph_rewriter.replace_pattern(gm, _exact, _tanh)
-        return gm
+    def rewrite(self, gm: torch.fx.GraphModule, sizes: sw.passes.Sizes) -> sw.PassResult:
+        return sw.PassResult(gm, bool(subgraph_rewriter.replace_pattern(gm, _exact, _tanh)))
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class TwiceIsAdd(sw.InductorPass):
     name: ClassVar[str] = "twice_is_add"
     replaced: list = field(default_factory=list, compare=False, repr=False)
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
+    def rewrite(self, graph: torch.fx.Graph) -> None:
         from torch._inductor.pattern_matcher import PatternMatcherPass, fwd_only, register_replacement
 
         patterns = PatternMatcherPass()

@@ -21,21 +21,36 @@ from shapewise.graph_split import Split, draw_split, register_alias, split_graph
 from shapewise.instruments import Dump, Verify
 from shapewise.ir import Binding, Program, Report, format_graph, format_program
 from shapewise.lower import Lower
-from shapewise.passes import GraphPass, InductorPass, Instrument, Pass, Pipeline, PrintAfter, Timing, parse_spec
+from shapewise.passes import (
+    GraphPass,
+    InductorPass,
+    Instrument,
+    Pass,
+    PassResult,
+    Pipeline,
+    PrintAfter,
+    Timing,
+    parse_spec,
+)
 from shapewise.rewrite import Rewrite
 from shapewise.version import __version__  # noqa: F401 - shapewise.__version__
 
 __all__ = [
     "AnalyzeShapes", "Binding", "BindingError", "BuildDispatch", "CompileError", "Concretize", "ConfigError",
     "DispatchMiss", "DispatchTable", "Dump", "GraphPass", "GuardViolation", "InductorPass", "InputMismatch",
-    "Instrument", "Lower", "Pass", "Pipeline", "PrintAfter", "Program", "Report", "Rewrite", "Runnable",
+    "Instrument", "Lower", "Pass", "PassResult", "Pipeline", "PrintAfter", "Program", "Report", "Rewrite", "Runnable",
     "ShapewiseError", "Split", "Timing", "Verify", "compile", "compile_generate", "draw_split", "format_graph",
     "format_program", "parse_spec", "plan_sizes", "register_alias", "split_graph",
 ]
 
 
 def __getattr__(name: str):
-    # Lazy: the backend imports Dynamo, the planner numpy; neither is needed for the passes.
+    # Lazy: the backend imports Dynamo, the planner numpy; neither is needed for the passes. The
+    # library (built-in passes and kernels) registers custom ops: imported when first named.
+    if name == "library":
+        import importlib
+
+        return importlib.import_module("shapewise.library")
     if name == "compile":
         from shapewise.module import compile
 

@@ -1,7 +1,7 @@
 """Where shapewise keeps what it writes to disk (compiled artifacts, kernel tuning results).
 
 Below every other layer, so that the artifact cache (``shapewise.lower.cache``) and the kernels
-(``shapewise.kernels``) find the same folder by the same rules.
+(``shapewise.library.kernels``) find the same folder by the same rules.
 
 >>> default_cache_dir()          # $SHAPEWISE_CACHE_DIR, else $XDG_CACHE_HOME/shapewise, else ~/.cache/shapewise
 >>> cache_enabled()              # False when SHAPEWISE_CACHE=0 (or false, off, no)

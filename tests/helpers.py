@@ -112,28 +112,45 @@ def column_major_after(x):
 
 def normalised(text: str) -> str:
     """Printed graph text made comparable across torch versions and runs: symbols renamed
-    ``s0, s1, ...`` in order of appearance, trailing spaces and blank lines dropped."""
+    ``s0, s1, ...`` in order of appearance, collectives' group names as ``'<group>'``, trailing
+    spaces and blank lines dropped."""
     import re
 
     names: dict[str, str] = {}
     text = re.sub(r"\b[su]\d+\b", lambda m: names.setdefault(m.group(0), f"s{len(names)}"), text)
+    # A c10d collective's process-group name depends on how many groups the process made before.
+    text = re.sub(r"(_c10d_functional\.\w+\(.*'(?:sum|avg|max|min|product)', )'[^']*'", r"\1'<group>'", text)
     return "\n".join(ln.rstrip() for ln in text.strip().splitlines() if ln.strip())
 
 
 def assert_before_after(pass_, program, before: str, after: str) -> Any:
-    """Run ``pass_`` on ``program`` (a Program or a GraphModule) and compare the canonical
-    printer's text before and after it with ``before`` and ``after`` (dedented, normalised:
-    see ``normalised``). Returns the pass's output. On a mismatch the message shows the text
-    that was printed, to paste into the test once it is checked by eye."""
+    """Check that ``pass_`` turns graph A into graph B. Runs ``pass_`` on ``program`` (a Program or
+    a GraphModule) and compares the printed text before and after it with ``before`` and ``after``
+    (dedented, normalised: see ``normalised``): for a program pass the canonical printer's text of
+    the program; for a graph pass (``sw.GraphPass``) the graph of the program's one compute piece
+    and that of its one variant after the pass (the program is concretized to one size first if it
+    is not). Returns the pass's output. On a mismatch the message shows the text that was
+    printed, to paste into the test once it is checked by eye."""
     import textwrap
 
     import shapewise as sw
+    from shapewise.ir import format_graph
 
     program = program if isinstance(program, sw.Program) else sw.Program(gm=program)
-    got_before = normalised(str(program))
-    out = pass_(program)
-    got_after = normalised(str(out))
+    if isinstance(pass_, sw.GraphPass):
+        (piece,) = program.compute_pieces
+        assert len(piece.variants) == 1, f"a graph pass's before/after needs one variant, got {len(piece.variants)}"
+        got_before = normalised(format_graph(piece.gm))
+        out = pass_(program)
+        (piece,) = out.compute_pieces
+        (variant,) = piece.variants
+        got_after = normalised(format_graph(variant.gm if variant.gm is not None else piece.gm))
+    else:
+        got_before = normalised(str(program))
+        out = pass_(program)
+        got_after = normalised(str(out))
     for what, got, want in (("before", got_before, before), ("after", got_after, after)):
         want = normalised(textwrap.dedent(want))
-        assert got == want, f"{pass_.spec()}: the program {what} it differs; printed:\n{got}"
+        assert got == want, f"{pass_.spec()}: the {'graph' if isinstance(pass_, sw.GraphPass) else 'program'} " \
+                            f"{what} it differs; printed:\n{got}"
     return out

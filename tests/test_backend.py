@@ -28,7 +28,7 @@ def test_mlp_one_trace_every_size_size_one_included(first):
     rows = fast.report()
     assert [r["key"] for r in rows] == ["{n=1}", "{n=2}", "{n=4}", "{n=8}", "{n=9..64}"]
     assert [r["static"] for r in rows] == [True] * 4 + [False]
-    assert all(r["source"] == "compiled" and r["seconds"] >= 0 for r in rows)
+    assert all(r["source"] == "compiled" and r["seconds"] > 0 for r in rows)  # each compile was timed
 
 
 @pytest.mark.parametrize("op, out_variant", [(ATTENTION_OP, False), (ATTENTION_OUT_OP, True)])

@@ -55,3 +55,20 @@ def test_every_public_name_is_there():
         module = importlib.import_module(info.name)
         missing += [f"{info.name}.{n}" for n in getattr(module, "__all__", ()) if not hasattr(module, n)]
     assert not missing, f"names in __all__ that the module lacks: {missing}"
+
+
+def test_importing_shapewise_imports_no_library_module_and_registers_no_op_of_it():
+    # Every layer below the library, imported; then the library's names one by one.
+    code = (
+        "import sys, torch, shapewise as sw\n"
+        "import shapewise.module, shapewise.generate, shapewise.cli, shapewise.instruments\n"
+        "ops = lambda: hasattr(torch.ops.shapewise, 'gemv')\n"
+        "print(ops(), sorted(m for m in sys.modules if m.startswith('shapewise.library')))\n"
+        "sw.library.OverlapAllReduce\n"
+        "print(ops())\n"
+        "sw.library.DecodeGemv\n"
+        "print(ops())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[:3] == ["False []", "False", "True"], out.stdout

@@ -7,10 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.fx.passes.infra.pass_base import PassResult  # what a graph pass returns; torch marks it not BC
 
-__all__ = ["LINEAR_FUNCTIONS", "any_requires_grad", "custom_op_impl", "dispatch_modes", "increment_version",
-           "is_op_overload", "is_op_packet", "op_key", "op_overloads", "op_qualname", "op_schema", "profiler_enabled",
-           "torch_function_mode_enabled"]
+__all__ = ["LINEAR_FUNCTIONS", "PassResult", "any_requires_grad", "custom_op_impl", "dispatch_modes",
+           "increment_version", "is_op_overload", "is_op_packet", "op_key", "op_overloads", "op_qualname", "op_schema",
+           "profiler_enabled", "torch_function_mode_enabled"]
 
 #: What ``F.linear`` appears as in a Dynamo graph (its C binding), and the Python function itself.
 LINEAR_FUNCTIONS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})

@@ -1,6 +1,8 @@
 """The pass framework: ``Pass`` (frozen dataclasses whose specs parse back), ``Pipeline``,
-``Instrument`` (``PrintAfter``, ``Timing``), the registry. The stages live above it
-(``graph_split``, ``concretize``, ``lower``, ``dispatch``); the IR below it (``shapewise.ir``)."""
+``Instrument`` (``PrintAfter``, ``Timing``), the registry, and the graph-level passes
+(``GraphPass``, ``InductorPass``: passes too, one level down). The stages live above it
+(``graph_split``, ``concretize``, ``rewrite``, ``lower``, ``dispatch``), the built-in passes
+further up (``shapewise.library``); the IR below it (``shapewise.ir``)."""
 
 from shapewise.passes.base import (
     Instrument,
@@ -12,11 +14,11 @@ from shapewise.passes.base import (
     parse_spec,
     register_pass,
     register_runnable,
+    registered_passes,
+    source_hash,
 )
-from shapewise.passes.decode_gemv import DecodeGemv
-from shapewise.passes.graph_pass import GraphPass, InductorPass, Sizes, VariantSizes
-from shapewise.passes.overlap import OverlapAllReduce
+from shapewise.passes.graph_pass import GraphPass, InductorPass, PassResult, Sizes, VariantSizes
 
-__all__ = ["DecodeGemv", "GraphPass", "InductorPass", "Instrument", "OverlapAllReduce", "Pass", "PassRecord",
-           "Pipeline", "PrintAfter", "Sizes", "Timing", "VariantSizes", "parse_spec", "register_pass",
-           "register_runnable"]
+__all__ = ["GraphPass", "InductorPass", "Instrument", "Pass", "PassRecord", "PassResult", "Pipeline", "PrintAfter",
+           "Sizes", "Timing", "VariantSizes", "parse_spec", "register_pass", "register_runnable", "registered_passes",
+           "source_hash"]

@@ -1,19 +1,30 @@
-"""Pass, Pipeline and instruments: the one pass contract of shapewise."""
+"""Pass, Pipeline and instruments: the one pass contract of shapewise.
+
+In: a ``Program`` (or a ``GraphModule``, wrapped in one). Out: a new ``Program`` per pass, never
+the input changed; ``Pipeline.trace`` gives one ``PassRecord`` (spec, output, seconds) per stage,
+stages a pass ``requires`` included, and ``Pipeline.run`` the callable that the dispatch stage
+makes of the last one. A pass prints as a spec (``concretize{sizes=1,8}``) that ``parse_spec``
+reads back through the registry (``register_pass``); its ``uuid`` is what content keys record.
+"""
 
 from __future__ import annotations
 
-import ast
 import dataclasses
+import hashlib
+import inspect
 import time
+import types
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch.fx
 
-from shapewise.errors import ShapewiseError
+from shapewise.errors import ConfigError, ShapewiseError
 from shapewise.ir.printer import format_program
 from shapewise.ir.program import Program
+from shapewise.passes.spec import format_fields, parse_value, split_top
 
 __all__ = [
     "Instrument",
@@ -25,16 +36,29 @@ __all__ = [
     "parse_spec",
     "register_pass",
     "register_runnable",
+    "registered_passes",
+    "source_hash",
 ]
 
 _REGISTRY: dict[str, type[Pass]] = {}
 _RUNNABLE: Callable[[Program, tuple[PassRecord, ...]], Any] | None = None
+_SOURCE_HASHES: dict[type, str] = {}
 
 
 def register_pass(cls: type[Pass]) -> type[Pass]:
-    """Class decorator: make a pass parseable from its spec string."""
+    """Class decorator: make a pass parseable from its spec string. A name that another class
+    (another module or qualified name) holds already is refused."""
+    held = _REGISTRY.get(cls.name)
+    if held is not None and (held.__module__, held.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise ConfigError(f"pass name {cls.name!r} of {cls.__module__}.{cls.__qualname__} is taken by "
+                          f"{held.__module__}.{held.__qualname__}; give the pass another name")
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def registered_passes() -> dict[str, type[Pass]]:
+    """``{spec name: pass class}`` of every registered pass (a copy), in registration order."""
+    return dict(_REGISTRY)
 
 
 def register_runnable(factory: Callable[[Program, tuple[PassRecord, ...]], Any]) -> Callable[..., Any]:
@@ -45,62 +69,58 @@ def register_runnable(factory: Callable[[Program, tuple[PassRecord, ...]], Any])
     return factory
 
 
-def _format_value(v: Any) -> str:
-    if isinstance(v, str):
-        return v
-    if isinstance(v, (list, tuple)) and v and all(isinstance(x, (int, str)) for x in v) and not any(
-        isinstance(x, str) and ("," in x or " " in x) for x in v
-    ):
-        return ",".join(str(x) for x in v)
-    if callable(v):
-        return getattr(v, "__name__", type(v).__name__)
-    return repr(v).replace(" ", "")
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        pass
-    if "," in text:
-        return tuple(_parse_value(part) for part in text.split(","))
-    return text
-
-
-def _split_fields(body: str) -> list[str]:
-    out, depth, cur = [], 0, []
-    for ch in body:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == " " and depth == 0:
-            if cur:
-                out.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    if cur:
-        out.append("".join(cur))
-    return out
+def _is_pass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, Pass)
 
 
 def parse_spec(spec: str) -> Pass:
-    """Parse ``"concretize{sizes=1,8}"`` back into ``Concretize(sizes=(1, 8))``."""
+    """Parse ``"concretize{sizes=1,8}"`` back into ``Concretize(sizes=(1, 8))``: the registered
+    class of that name, its fields read by their types (``Pass.from_spec``)."""
     spec = spec.strip()
-    name, _, rest = spec.partition("{")
+    name, brace, rest = spec.partition("{")
     if name not in _REGISTRY:
         raise ShapewiseError(
             f"unknown pass {name!r} in spec {spec!r}; registered passes: {sorted(_REGISTRY)}"
         )
-    kwargs = {}
-    body = rest[:-1] if rest.endswith("}") else rest
-    for item in _split_fields(body):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ShapewiseError(f"pass spec field {item!r} in {spec!r} is not key=value")
-        kwargs[key] = _parse_value(value)
-    return _REGISTRY[name](**kwargs)
+    if brace and not rest.endswith("}"):
+        raise ConfigError(f"pass spec {spec!r} does not end with '}}'")
+    return _REGISTRY[name].from_spec(rest[:-1] if brace else "")
+
+
+def _source(cls: type) -> str:
+    """The class's source text; for a class whose file is gone (``python -c``, some notebooks),
+    its methods' bytecode, names and constants (deterministic, unlike ``marshal``)."""
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        parts: list[str] = [cls.__qualname__]
+
+        def code_text(code: types.CodeType) -> None:
+            parts.extend([code.co_code.hex(), repr(code.co_names), repr(code.co_varnames)])
+            for c in code.co_consts:
+                code_text(c) if isinstance(c, types.CodeType) else parts.append(repr(c))
+
+        for key, value in sorted(vars(cls).items()):
+            fn = getattr(value, "__func__", value)
+            if isinstance(fn, types.FunctionType):
+                parts.append(key)
+                code_text(fn.__code__)
+            elif not key.startswith("__"):
+                parts.append(f"{key}={value!r}")
+        return "\n".join(parts)
+
+
+def source_hash(cls: type) -> str:
+    """A hash of a pass class's source and of its bases' up to the framework's own (``Pass``,
+    ``GraphPass``, ...; as vLLM's ``InductorPass.hash_source``): a changed rewrite changes the
+    pass's ``uuid`` and so every content key that records it."""
+    if cls not in _SOURCE_HASHES:
+        h = hashlib.sha256()
+        for c in cls.__mro__:
+            if isinstance(c, type) and issubclass(c, Pass) and not c.__module__.startswith("shapewise.passes."):
+                h.update(_source(c).encode())
+        _SOURCE_HASHES[cls] = h.hexdigest()[:16]
+    return _SOURCE_HASHES[cls]
 
 
 @dataclass(frozen=True)
@@ -111,9 +131,13 @@ class Pass:
     their input. ``requires(program)`` lists passes that must run first when the program
     lacks what this pass needs (run on demand by ``Pipeline``), by spec (``"concretize"``,
     looked up in the registry: a stage never imports the stages it depends on) or as objects.
+    ``spec()`` prints the pass as text that ``parse_spec`` reads back; ``uuid()`` is what content
+    keys record of it (``version``: a salt, bump it to tell runs apart where the source did not
+    change). The graph-level passes (``GraphPass``, ``InductorPass``) are passes too.
     """
 
     name: ClassVar[str] = "pass"
+    version: ClassVar[int] = 1
 
     def apply(self, program: Program) -> Program:
         raise NotImplementedError
@@ -128,18 +152,37 @@ class Pass:
         return Pipeline([self]).apply(program)
 
     def spec(self) -> str:
-        fields = []
-        for f in dataclasses.fields(self):
-            if not f.repr:
-                continue
-            value = getattr(self, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
-            )
-            if value == default:
-                continue
-            fields.append(f"{f.name}={_format_value(value)}")
+        """``name{field=value ...}``, the fields that differ from their defaults."""
+        fields = format_fields(self)
         return f"{self.name}{{{' '.join(fields)}}}" if fields else self.name
+
+    @classmethod
+    def from_spec(cls, body: str) -> Pass:
+        """The pass whose spec's ``{...}`` is ``body`` (``"sizes=1,8"``), each field read by its type."""
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001 - an annotation that does not resolve reads untyped
+            hints = {}
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        kwargs = {}
+        for item in split_top(body, " "):
+            key, eq, text = item.partition("=")
+            if not eq:
+                raise ConfigError(f"pass spec field {item!r} in {cls.name}{{{body}}} is not key=value")
+            if key not in fields:
+                raise ConfigError(f"pass {cls.name} has no option {key!r}; its options: {sorted(fields)}")
+            try:
+                kwargs[key] = parse_value(text, hints.get(key, Any), parse_spec, _is_pass_type)
+            except ConfigError as e:
+                raise ConfigError(f"pass spec {cls.name}{{{body}}}: {key}: {e}") from e
+        return cls(**kwargs)
+
+    def uuid(self) -> str:
+        """What content keys record of this pass: its class, every field, ``version`` and a hash of
+        its source (``source_hash``): ``module.Class:name{fields}@version#hash``."""
+        fields = format_fields(self, every_field=True)
+        text = f"{self.name}{{{' '.join(fields)}}}" if fields else self.name
+        return f"{type(self).__module__}.{type(self).__qualname__}:{text}@{self.version}#{source_hash(type(self))}"
 
     def __str__(self) -> str:
         return self.spec()
@@ -213,7 +256,12 @@ class Pipeline(Pass):
         object.__setattr__(self, "instruments", tuple(instruments))
 
     def spec(self) -> str:
+        """``pipeline{split,concretize{sizes=1,8}}``: its passes' specs, comma-separated."""
         return "pipeline{" + ",".join(p.spec() for p in self.passes) + "}"
+
+    @classmethod
+    def from_spec(cls, body: str) -> Pipeline:
+        return cls([parse_spec(part) for part in split_top(body, ",") if part.strip()])
 
     def apply(self, program: Program) -> Program:
         return self.trace(program)[-1].program if self.passes else program

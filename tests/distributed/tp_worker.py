@@ -43,7 +43,7 @@ def run(rank: int, args: argparse.Namespace) -> None:
         full = TPLlama(layers=args.layers).to(device).eval()
         part = TPLlama.shard(full, rank, args.world).to(device).eval()
         splitting = [ATTENTION_OP] + (["_c10d_functional::all_reduce"] if args.split_collectives else [])
-        passes = [sw.passes.OverlapAllReduce(chunks=2, min_tokens=8, align=2, min_slice=2)] if args.overlap else []
+        passes = [sw.library.OverlapAllReduce(chunks=2, min_tokens=8, align=2, min_slice=2)] if args.overlap else []
         fast = sw.compile(part, sizes=SIZES, ranges=RANGES, splitting_ops=splitting, backend=args.backend,
                           cache=args.cache or False, progress=False, graph_passes=passes)
         worst = 0.0
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=2, help="3 or more: the middle layers' pieces reuse one artifact")
     ap.add_argument("--nccl", action="store_true")
     ap.add_argument("--split-collectives", action="store_true", help="split the graph at the all-reduces too")
-    ap.add_argument("--overlap", action="store_true", help="sw.passes.OverlapAllReduce at 8 rows (two slices of 4)")
+    ap.add_argument("--overlap", action="store_true", help="sw.library.OverlapAllReduce at 8 rows (two slices of 4)")
     ap.add_argument("--hf", action="store_true", help="a tiny transformers Llama with tp_plan='auto' (DTensor)")
     ap.add_argument("--hf-zoo", action="store_true", help="with --hf: the zoo's other decoders too (aot_eager)")
     args = ap.parse_args(argv)

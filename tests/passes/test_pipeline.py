@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import time
 
 import pytest
 import torch
@@ -19,19 +20,54 @@ def assert_graph(gm, expected: str) -> None:
     assert format_graph(gm) == textwrap.dedent(expected).strip()
 
 
-@pytest.mark.parametrize(
-    "p",
-    [
-        sw.Concretize(sizes=(1, 8)),
-        sw.Concretize(sizes=(2,), ranges=((3, 64), (65, 512))),
-        sw.Split(ops=("sdpa", "shapewise_toy::attention")),
-        sw.Lower(backend="aot_eager", static_options={"max_autotune": True}),
-        sw.AnalyzeShapes(),
-    ],
-)
-def test_specs_print_and_parse_back(p):
-    spec = p.spec()
-    assert parse_spec(spec) == p, spec
+# Every registered pass of the package with options off their defaults, and each default: the
+# round trip below covers the registry, and fails for a registered pass missing here.
+CUDAGRAPHS = sw.passes.registered_passes()["cudagraphs"]  # by its spec name: the dispatch's modules may move
+EXAMPLES = {
+    "pipeline": [sw.Pipeline([sw.Split(ops=("sdpa",)), sw.Pipeline([sw.Concretize(sizes=(1, 8))]),
+                              sw.Lower(backend="eager")])],
+    "split": [sw.Split(ops=("sdpa", "shapewise_toy::attention")), sw.Split(ops=("sdpa",))],
+    "analyze_shapes": [sw.AnalyzeShapes()],
+    "concretize": [sw.Concretize(sizes=(1, 8)), sw.Concretize(sizes=(2,), ranges=((3, 64), (65, 512))),
+                   sw.Concretize(sizes={"batch": [1, 2], "seq": [128]}, refused="skip-sizes", fixed={"seq": 1})],
+    "rewrite": [sw.Rewrite(passes=[sw.library.DecodeGemv(max_tokens=4, devices=("cpu",)),
+                                   sw.library.OverlapAllReduce(chunks=2)])],
+    "lower": [sw.Lower(backend="aot_eager", static_options={"max_autotune": True}),
+              sw.Lower(backend="eager", compile="lazy", cache="/tmp/a folder", dedupe=False, progress=False,
+                       lean=False, on_compile_error="fallback", options={"a": 1, "b": "x y"})],
+    "build_dispatch": [sw.BuildDispatch(on_miss="eager")],
+    "cudagraphs": [CUDAGRAPHS(capture_sizes=(1, 8), mode="full", pad=True, full_up_to=16,
+                            capture="startup", split_pools=False, copy_outputs=False),
+                   CUDAGRAPHS(capture_sizes=(4,))],
+    "decode_gemv": [sw.library.DecodeGemv(max_tokens=8, devices=("cpu", "cuda"), dtypes=("float32",))],
+    "overlap_all_reduce": [sw.library.OverlapAllReduce(chunks=2, min_tokens=64, align=16, min_slice=16)],
+}
+
+
+def test_every_registered_pass_prints_a_spec_that_parses_back_to_an_equal_pass():
+    ours = {name: cls for name, cls in sw.passes.registered_passes().items() if cls.__module__.startswith("shapewise.")}
+    assert sorted(ours) == sorted(EXAMPLES), "a registered pass without an example here (or an example of none)"
+    for name, cls in ours.items():
+        for p in [cls(), *EXAMPLES[name]]:
+            assert type(p) is cls
+            spec = p.spec()
+            assert parse_spec(spec) == p, spec
+            assert parse_spec(spec).spec() == spec
+    nested = EXAMPLES["pipeline"][0].spec()
+    assert nested == "pipeline{split{ops=sdpa},pipeline{concretize{sizes=1,8}},lower{backend=eager}}"
+    assert parse_spec(nested).passes[1] == sw.Pipeline([sw.Concretize(sizes=(1, 8))])
+
+
+def test_spec_fields_are_read_by_their_types():
+    assert parse_spec("decode_gemv{devices=cpu}").devices == ("cpu",)  # tuple[str, ...]: one name, a tuple
+    assert parse_spec("build_dispatch{on_miss='1'}").on_miss == "1"  # str: quoted where it reads as a literal
+    assert sw.BuildDispatch(on_miss="1").spec() == "build_dispatch{on_miss='1'}"
+    with pytest.raises(sw.ConfigError, match="max_tokens: 'four' is not an int"):
+        parse_spec("decode_gemv{max_tokens=four}")
+    with pytest.raises(sw.ConfigError, match="has no option 'size'"):
+        parse_spec("concretize{size=1}")
+    with pytest.raises(sw.ConfigError, match="not key=value"):
+        parse_spec("concretize{sizes}")
 
 
 def test_spec_text():
@@ -43,14 +79,16 @@ def test_spec_text():
 
 def test_three_pass_line_runs_as_written_and_keeps_every_stage():
     gm = symbolic_graph(lambda x: (x * 2).sum(-1), torch.randn(4, 3))
+    t0 = time.perf_counter()
     runnable = sw.Pipeline([sw.Split(), sw.Concretize(sizes=[2, 4]), sw.Lower(backend="eager")]).run(gm)
+    wall = time.perf_counter() - t0
     specs = [r.spec for r in runnable.trace]
     assert specs == ["split", "analyze_shapes", "concretize{sizes=2,4}", "lower{backend=eager}", "build_dispatch"]
     assert [r.on_demand for r in runnable.trace if r.spec == "analyze_shapes"] == [True]
     assert specs[-1] == "build_dispatch"
     programs = [r.program for r in runnable.trace]
     assert programs[0].shapes is None and programs[1].shapes is not None
-    assert all(r.seconds >= 0 for r in runnable.trace)
+    assert all(r.seconds > 0 for r in runnable.trace) and sum(r.seconds for r in runnable.trace) <= wall
     x = torch.randn(4, 3)
     torch.testing.assert_close(runnable(x), (x * 2).sum(-1))
 

@@ -16,7 +16,7 @@ import shapewise as sw
 from shapewise._compat import no_inductor_caches
 from shapewise.lower import Lower
 from shapewise.models import ATTENTION_OP
-from tests.helpers import assert_same, dynamo_graph, graph_args
+from tests.helpers import assert_before_after, assert_same, dynamo_graph, graph_args
 
 
 def model(x, w):
@@ -44,13 +44,13 @@ class ReluToClamp(sw.GraphPass):
         return all(isinstance(v, int) and v <= self.limit for v in sizes.values())
 
     def rewrite(self, gm, sizes):
-        subgraph_rewriter.replace_pattern(gm, _relu, _clamp)
-        return gm
+        return sw.PassResult(gm, bool(subgraph_rewriter.replace_pattern(gm, _relu, _clamp)))
 
 
 @dataclass(frozen=True)
 class DropRelu(ReluToClamp):
-    """A wrong rewrite (relu removed) at small sizes: Verify must catch it."""
+    """A wrong rewrite (relu removed) at small sizes: Verify must catch it. Returns the bare graph
+    (the form without ``PassResult``: modified where its code differs)."""
 
     name: ClassVar[str] = "drop_relu"
 
@@ -61,6 +61,28 @@ class DropRelu(ReluToClamp):
 
 def _targets(gm):
     return {getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"}
+
+
+RELU_PLUS_ONE = """
+    def forward(self, l_x_):
+        relu = torch.relu(l_x_)
+        add = relu + 1
+        return (add,)
+"""
+
+
+def test_the_rewrite_turns_relu_into_clamp_where_it_applies_and_nowhere_else():
+    gm = dynamo_graph(lambda x: torch.relu(x) + 1, torch.randn(4, 3))
+    out = assert_before_after(ReluToClamp(limit=2), sw.Concretize(sizes=[2])(gm), RELU_PLUS_ONE, """
+        def forward(self, l_x_):
+            clamp_min = torch.clamp_min(l_x_, 0.0)
+            add = clamp_min + 1
+            return (add,)
+    """)
+    x = torch.randn(2, 3)
+    assert_same(out.compute_pieces[0].variants[0].gm(x)[0], torch.relu(x) + 1)
+    same = assert_before_after(ReluToClamp(limit=2), sw.Concretize(sizes=[4])(gm), RELU_PLUS_ONE, RELU_PLUS_ONE)
+    assert same.compute_pieces[0].variants[0].gm is None  # not applied: the piece's graph, shared
 
 
 def test_a_pass_rewrites_only_the_variants_it_applies_to_and_answers_stay_right():
@@ -187,7 +209,7 @@ class CountAdds(sw.InductorPass):
     def applies(self, sizes):
         return all(isinstance(v, int) and v <= 2 for v in sizes.values())
 
-    def __call__(self, graph):
+    def rewrite(self, graph):
         self.seen.append(sum(1 for n in graph.nodes if "add" in str(n.target)))
 
     def spec(self):
@@ -262,9 +284,11 @@ def test_the_on_miss_variant_is_rewritten_too_and_fixed_dims_reach_the_pass():
 def test_rewrite_after_lower_is_refused():
     w = torch.randn(16, 16)
     gm = dynamo_graph(model, torch.randn(4, 16), w)
-    with pytest.raises(sw.ConfigError, match="Rewrite runs before Lower"):
-        sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[4]), sw.Lower(backend="aot_eager"),
-                     sw.Rewrite(passes=[ReluToClamp()])]).run(gm)
+    for late in (sw.Rewrite(passes=[ReluToClamp()]), ReluToClamp()):
+        with pytest.raises(sw.ConfigError, match=r"graph passes run before Lower: .* put relu_to_clamp|"
+                                                 r"graph passes run before Lower: .* put rewrite\{passes=relu"):
+            sw.Pipeline([sw.Split(ops=[ATTENTION_OP]), sw.Concretize(sizes=[4]), sw.Lower(backend="aot_eager"),
+                         late]).run(gm)
 
 
 # -- a value-preserving rewrite whose every run is counted --------------------------------------------

@@ -1,5 +1,5 @@
-"""``sw.passes.DecodeGemv`` and the ``shapewise::gemv`` op: the rewrite and its gating on the
-CPU (where the op is ``F.linear``), the kernel itself on the GPU (marker ``gpu``)."""
+"""``sw.library.DecodeGemv`` and the ``shapewise::gemv`` op: the rewrite (graph before and after) and
+its gating on the CPU (where the op is ``F.linear``), the kernel itself on the GPU (marker ``gpu``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import shapewise as sw
-from shapewise.kernels.gemv import GemvConfig, gemv_configs
-from tests.helpers import assert_same
+from shapewise.library.kernels.gemv import GemvConfig, gemv_configs
+from tests.helpers import assert_before_after, assert_same, dynamo_graph
 
 CPU = dict(devices=("cpu",), dtypes=("float32",))
 
@@ -31,6 +31,42 @@ class FourForms(nn.Module):
         return y @ self.w.t(), torch.addmm(self.bias, flat, self.w.T), torch.mm(flat, self.w.transpose(0, 1))
 
 
+LINEAR_THEN_MATMUL = """
+    def forward(self, l_x_, l_w_, l_b_, l_v_):
+        linear = torch._C._nn.linear(l_x_, l_w_, l_b_)
+        relu = torch.relu(linear)
+        t = l_v_.t()
+        matmul = relu @ t
+        return (matmul,)
+"""
+
+
+def test_the_rewrite_at_a_decode_size_and_above_max_tokens():
+    w, b, v = torch.randn(8, 16), torch.randn(8), torch.randn(8, 8)
+
+    def f(x):
+        return torch.relu(F.linear(x, w, b)) @ v.t()
+
+    gm = dynamo_graph(f, torch.randn(4, 16))
+    gemv = sw.library.DecodeGemv(max_tokens=4, **CPU)
+    out = assert_before_after(gemv, sw.Concretize(sizes=[2])(gm), LINEAR_THEN_MATMUL, """
+        def forward(self, l_x_, l_w_, l_b_, l_v_):
+            gemv_default = torch.ops.shapewise.gemv.default(l_x_, l_w_, l_b_)
+            relu = torch.relu(gemv_default)
+            gemv_default_1 = torch.ops.shapewise.gemv.default(relu, l_v_, None)
+            return (gemv_default_1,)
+    """)
+    (variant,) = out.compute_pieces[0].variants
+    x = torch.randn(2, 16)
+    assert_same(variant.gm(x, w, b, v)[0], f(x))
+    assert gemv.uuid() in variant.passes
+    # 8 rows: over max_tokens, the rewrite says it changed nothing and the variant keeps the piece's graph
+    above = assert_before_after(gemv, sw.Concretize(sizes=[8])(gm), LINEAR_THEN_MATMUL, LINEAR_THEN_MATMUL)
+    assert above.compute_pieces[0].variants[0].gm is None and not above.compute_pieces[0].variants[0].passes
+    result = gemv.rewrite(gm, sw.passes.VariantSizes({"n": 8}))
+    assert isinstance(result, sw.PassResult) and result.modified is False
+
+
 def _gemv_count(fast, n: int) -> int:
     (piece,) = fast.program.compute_pieces
     variant = next(v for v in piece.variants if v.binding.key == (n,))
@@ -42,7 +78,7 @@ def test_linear_layers_become_gemv_at_static_sizes_up_to_max_tokens_and_nowhere_
     torch.manual_seed(0)
     model = FourForms()
     fast = sw.compile(model, sizes=[1, 2, 3, 4, 8], ranges=[(5, 7)], backend="aot_eager",
-                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, **CPU)])
     for n in (1, 2, 3, 4, 6, 8):
         x = torch.randn(n, 32)
         assert_same(fast(x), model(x), f"n={n}")
@@ -56,12 +92,12 @@ def test_rows_count_every_leading_dim_and_other_devices_or_dtypes_are_left_alone
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 8))
     x = torch.randn(2, 3, 16)  # batch 2: rows are 2 * seq
     fast = sw.compile(model, sizes={"seq": [1, 2, 3]}, dynamic_dims={"input": {1: "seq"}}, backend="aot_eager",
-                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, **CPU)])
     fast(x)
     passes = {r["key"]: r["passes"] for r in fast.report()}
     assert [k for k, p in passes.items() if p] == ["{seq=1}", "{seq=2}"], passes  # 2 and 4 rows; 6 is over
     cuda_only = sw.compile(model, sizes={"seq": [1, 2]}, dynamic_dims={"input": {1: "seq"}}, backend="aot_eager",
-                           graph_passes=[sw.passes.DecodeGemv(max_tokens=4)])  # the default: CUDA bf16/fp16
+                           graph_passes=[sw.library.DecodeGemv(max_tokens=4)])  # the default: CUDA bf16/fp16
     assert_same(cuda_only(x[:, :2]), model(x[:, :2]))
     assert not any(r["passes"] for r in cuda_only.report())
 
@@ -72,7 +108,7 @@ def test_training_through_the_op_matches_eager():
     reference = FourForms()
     reference.load_state_dict(model.state_dict())
     fast = sw.compile(model, sizes=[2, 8], backend="aot_eager",
-                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, **CPU)])
     for n in (2, 8):
         x = torch.randn(n, 32, requires_grad=True)
         xr = x.detach().clone().requires_grad_()
@@ -92,13 +128,13 @@ def test_broadcast_biases_and_autocast_outputs_are_left_alone():
         return torch.addmm(b1, x, w.t()), F.linear(x, w)
 
     fast = sw.compile(f, dynamic_dims={"x": 0}, sizes=[2], backend="aot_eager",
-                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, **CPU)])
     x = torch.randn(2, 32)
     assert_same(fast(x), f(x))
     assert _gemv_count(fast, 2) == 1  # F.linear only: addmm's [1] bias broadcasts, which the op does not
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the matmuls' outputs are bf16, x is float32
         auto = sw.compile(f, dynamic_dims={"x": 0}, sizes=[2], backend="aot_eager",
-                          graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+                          graph_passes=[sw.library.DecodeGemv(max_tokens=4, **CPU)])
         out = auto(x)
         assert [o.dtype for o in out] == [torch.bfloat16, torch.bfloat16]
     assert _gemv_count(auto, 2) == 0
@@ -125,14 +161,14 @@ def test_the_op_passes_torchs_custom_op_checks():
 
 def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
     with pytest.raises(sw.ConfigError, match="between 1 and 16"):
-        sw.passes.DecodeGemv(max_tokens=32)
-    spelled = [sw.passes.DecodeGemv(devices=d, dtypes=t) for d, t in
+        sw.library.DecodeGemv(max_tokens=32)
+    spelled = [sw.library.DecodeGemv(devices=d, dtypes=t) for d, t in
                (("cpu", "float32"), ((torch.device("cpu"),), (torch.float32,)), (["cpu:0"], ["torch.float32"]))]
     assert {(p.devices, p.dtypes) for p in spelled} == {(("cpu",), ("float32",))}
     for bad, match in ((dict(dtypes=("flaot32",)), "'flaot32' is not a dtype"),
                        (dict(devices=("gpu",)), "'gpu' is not a device")):
         with pytest.raises(sw.ConfigError, match=match):
-            sw.passes.DecodeGemv(**bad)
+            sw.library.DecodeGemv(**bad)
     for n, k in ((4096, 4096), (2048, 11008), (22016, 4096), (24, 64)):
         for cfg in gemv_configs(n, k):
             assert cfg.split_k == 1 or k >= cfg.split_k * cfg.block_k
@@ -143,7 +179,7 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernel_matches_float64_at_every_config(dtype):
-    from shapewise.kernels.gemv import _launch
+    from shapewise.library.kernels.gemv import _launch
 
     torch.manual_seed(0)
     for m, n, k, bias in ((1, 4096, 4096, False), (3, 1000, 1000, True), (16, 256, 11008, True), (8, 24, 64, False)):
@@ -160,7 +196,7 @@ def test_the_kernel_matches_float64_at_every_config(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tune", ["1", "0"])
 def test_a_compiled_stack_with_the_pass_and_full_cudagraphs_matches_eager(tune, monkeypatch):
-    from shapewise.kernels.gemv import _TUNED
+    from shapewise.library.kernels.gemv import _TUNED
 
     # Tuning may keep F.linear where it is faster; untimed ("0"), the op always runs the kernel.
     monkeypatch.setenv("SHAPEWISE_GEMV_TUNE", tune)
@@ -168,7 +204,7 @@ def test_a_compiled_stack_with_the_pass_and_full_cudagraphs_matches_eager(tune, 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, hidden), nn.SiLU(), nn.Linear(hidden, 512)).cuda().to(torch.bfloat16)
     fast = sw.compile(model, sizes=[1, 2, 4, 8, 32], cudagraphs="full",
-                      graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=8)])
     with torch.no_grad():
         for n in (1, 2, 4, 8, 32, 1, 8):
             x = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
@@ -189,7 +225,7 @@ def test_a_transformers_llama_is_rewritten_at_decode_sizes_and_answers_as_eager(
     config, cls = DECODERS["llama"]
     model = cls(config()).eval()
     fast = sw.compile(model, dynamic_dims={"input_ids": {1: "seq"}}, sizes={"seq": [1, 4, 8]}, backend="aot_eager",
-                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, **CPU)])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, **CPU)])
     with torch.no_grad():
         for seq in (1, 4, 8):
             ids = torch.randint(3, 128, (1, seq))

@@ -1,4 +1,8 @@
-"""Patterns that graph passes match in a piece's (Dynamo-level) FX graph."""
+"""Patterns that the library's graph passes match in a piece's (Dynamo-level) FX graph.
+
+In: one ``torch.fx.Node``. Out: its operands where it is the pattern (``match_linear``: a linear
+layer in any of its spellings gives ``(x, weight, bias, transpose node)``), else None.
+"""
 
 from __future__ import annotations
 

@@ -1,26 +1,22 @@
 """``DecodeGemv``: at static sizes with few rows, linear layers become ``shapewise::gemv``.
 
-    fast = sw.compile(model, sizes=[1, 2, 4, 8, 64], graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
+    fast = sw.compile(model, sizes=[1, 2, 4, 8, 64], graph_passes=[sw.library.DecodeGemv(max_tokens=8)])
 
-Per (piece, static variant), every ``F.linear(x, W, b)``, ``x @ W.t()``, ``torch.mm(x, W.t())``
-and ``torch.addmm(b, x, W.t())`` whose second operand is a 2-D ``[N, K]`` tensor (a weight, or
-any other 2-D tensor: ``q @ k.t()`` is the same product and is rewritten too) and whose rows
-(all of ``x``'s dims but the last, at the variant's sizes) number at most ``max_tokens`` becomes a call
-of the ``shapewise::gemv`` custom op (``shapewise.kernels.gemv``): a Triton kernel tuned per
-size on the GPU, ``F.linear`` elsewhere. Range variants and larger sizes keep cuBLAS.
+In: a compute piece's graph at a static variant's sizes. Out: the graph with every
+``F.linear(x, W, b)``, ``x @ W.t()``, ``torch.mm(x, W.t())`` and ``torch.addmm(b, x, W.t())``
+(``patterns.match_linear``) whose second operand is a 2-D ``[N, K]`` tensor (a weight, or any
+other 2-D tensor: ``q @ k.t()`` is the same product and is rewritten too), whose rows (all of
+``x``'s dims but the last, at the variant's sizes) number at most ``max_tokens``, and whose input
+is on one of ``devices`` with one of ``dtypes`` (by default CUDA, bf16 and fp16: where the kernel
+runs; on the CPU the op would only be ``F.linear`` behind a custom-op boundary that Inductor
+cannot fuse through) replaced by a call of the ``shapewise::gemv`` custom op
+(``shapewise.library.kernels.gemv``: a Triton kernel tuned per size on the GPU, ``F.linear``
+elsewhere); ``PassResult.modified`` says whether any was. Range variants and larger sizes keep
+cuBLAS. Importing this module registers the op.
 
-Only nodes whose input is on one of ``devices`` with one of ``dtypes`` are rewritten (by default
-CUDA, bf16 and fp16: where the kernel runs; on the CPU the op would only be ``F.linear`` behind
-a custom-op boundary that Inductor cannot fuse through).
-
-The pass also tunes the kernel for each (rows, N, K, dtype, bias) it rewrites, at compile time
-(``shapewise.kernels.gemv.tune``; on a CUDA device with Triton, outside fake-tensor tracing and
-CUDA graph capture), skipping shapes already in memory or on disk (``<shapewise cache>/gemv-tuning/``).
-Tuning has two levels: each weight's candidate configs are timed once (its first row count), and
-each row count then times only that weight's config against ``F.linear``.
-Tensor-parallel ranks sharing the cache folder divide the work: a rank leaves a shape, or a
-weight, that another one is tuning (its file lock is held) to it, and the op's first call reads
-the result from disk (and, for a weight, times its config against ``F.linear`` there).
+As it rewrites, the pass tunes the kernel for each (rows, N, K, dtype, bias) it put in (on a CUDA
+device with Triton, outside fake-tensor tracing and CUDA graph capture; ``kernels.gemv.tune``,
+results in memory and under ``<shapewise cache>/gemv-tuning/``, shared by tensor-parallel ranks).
 """
 
 from __future__ import annotations
@@ -36,9 +32,12 @@ import torch.fx
 
 from shapewise._compat import fake_mode_active, node_value
 from shapewise.errors import ConfigError
-from shapewise.kernels.gemv import MAX_ROWS, triton_gemv_available, tune  # importing it registers shapewise::gemv
-from shapewise.passes.graph_pass import GraphPass, Sizes, VariantSizes
-from shapewise.passes.patterns import match_linear
+
+# importing the kernel registers shapewise::gemv
+from shapewise.library.kernels.gemv import MAX_ROWS, triton_gemv_available, tune
+from shapewise.library.patterns import match_linear
+from shapewise.passes.base import register_pass
+from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
 
 __all__ = ["DecodeGemv"]
 
@@ -68,6 +67,7 @@ def _names(values: Any, what: str, name_of: Callable[[Any], str]) -> tuple[str, 
                           f"{'cuda or cpu' if what == 'devices' else 'bfloat16 or float16'} (or torch objects)") from e
 
 
+@register_pass
 @dataclass(frozen=True)
 class DecodeGemv(GraphPass):
     """Linear layers with at most ``max_tokens`` rows at a static size -> ``shapewise::gemv``."""
@@ -89,7 +89,7 @@ class DecodeGemv(GraphPass):
     def applies(self, sizes: Sizes) -> bool:
         return all(isinstance(v, int) for v in sizes.values())
 
-    def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> torch.fx.GraphModule:
+    def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult:
         if not isinstance(sizes, VariantSizes):
             sizes = VariantSizes(sizes)
         op = torch.ops.shapewise.gemv.default
@@ -112,7 +112,7 @@ class DecodeGemv(GraphPass):
                 gm.graph.erase_node(transpose)
         gm.recompile()
         _tune_ahead(shapes)
-        return gm
+        return PassResult(gm, bool(shapes))
 
     def _fits(self, node: torch.fx.Node, x: Any, weight: Any, bias: Any, sizes: VariantSizes) -> tuple | None:
         """(rows, N, K, dtype, bias?, device) when the node is rewritten at these sizes, else None."""

@@ -13,7 +13,7 @@ most ``MAX_ROWS`` rows, Triton importable) and ``torch.nn.functional.linear`` ev
 so it is right on any input. Its fake implementation lets Dynamo, AOTAutograd and Inductor
 trace it, and its backward is the usual one, so it trains.
 
-Tuning has two levels, each read from memory, then disk (``shapewise.kernels.store``:
+Tuning has two levels, each read from memory, then disk (``shapewise.library.kernels.store``:
 ``<shapewise cache>/gemv-tuning/``, one JSON file per GPU model, torch and Triton versions, kernel
 source and shape, shared by every process and rank; ``rm -r`` the folder to clear it,
 ``SHAPEWISE_CACHE=0`` to keep it in memory only), else timed (``triton.testing.do_bench``) and
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shapewise.kernels.store import MISSING, TuningStore
+from shapewise.library.kernels.store import MISSING, TuningStore
 
 __all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune",
            "tuning_stats"]

@@ -1,4 +1,4 @@
-"""``sw.passes.OverlapAllReduce``: row-parallel linear layers and their all-reduces in row chunks.
+"""``sw.library.OverlapAllReduce``: row-parallel linear layers and their all-reduces in row chunks.
 One gloo rank in this process (the all-reduce is then the identity, so eager is the reference);
 two ranks, and Inductor's order of the chunks' collectives, are in ``tests/distributed``."""
 
@@ -12,7 +12,7 @@ from torch import nn
 
 import shapewise as sw
 from shapewise.errors import ConfigError
-from tests.helpers import assert_same
+from tests.helpers import assert_before_after, assert_same, dynamo_graph
 
 
 @pytest.fixture
@@ -67,18 +67,59 @@ class Mixed(nn.Module):
         return funcol.all_reduce(self.b(h), "sum", dist.group.WORLD).softmax(-1)
 
 
+def test_the_rewrite_in_two_pipelined_slices(one_rank):
+    import torch.distributed._functional_collectives as funcol
+
+    o = torch.randn(16, 16)
+
+    def f(x):
+        return x + funcol.all_reduce(F.linear(x, o), "sum", dist.group.WORLD)
+
+    gm = dynamo_graph(f, torch.randn(64, 16))
+    overlap = sw.library.OverlapAllReduce(chunks=2, min_tokens=64, align=16, min_slice=16)
+    out = assert_before_after(overlap, sw.Concretize(sizes=[64])(gm), """
+        def forward(self, l_x_, l_o_):
+            linear = torch._C._nn.linear(l_x_, l_o_)
+            tensor = torch.ops._c10d_functional.all_reduce(linear, 'sum', '<group>')
+            wait_tensor = torch.ops._c10d_functional.wait_tensor(tensor)
+            add = l_x_ + wait_tensor
+            return (add,)
+    """, """
+        def forward(self, l_x_, l_o_):
+            split = torch.functional.split(l_x_, [32, 32], dim = 0)
+            getitem = split[0]
+            getitem_1 = split[1]
+            linear = torch._C._nn.linear(getitem, l_o_)
+            tensor = torch.ops._c10d_functional.all_reduce(linear, 'sum', '<group>')
+            linear_1 = torch._C._nn.linear(getitem_1, l_o_)
+            tensor_1 = torch.ops._c10d_functional.all_reduce(linear_1, 'sum', '<group>')
+            wait_tensor = torch.ops._c10d_functional.wait_tensor(tensor)
+            add = getitem + wait_tensor
+            wait_tensor_1 = torch.ops._c10d_functional.wait_tensor(tensor_1)
+            add_1 = getitem_1 + wait_tensor_1
+            cat = torch.cat([add, add_1], dim = 0)
+            return (cat,)
+    """)
+    (variant,) = out.compute_pieces[0].variants
+    x = torch.randn(64, 16)
+    assert_same(variant.gm(x, o)[0], f(x))
+    assert dict(variant.inductor_options) == overlap.inductor_options()
+    # Under min_tokens: the rewrite says it changed nothing, and the variant keeps the piece's graph.
+    assert sw.library.OverlapAllReduce(min_tokens=128).rewrite(gm, sw.passes.VariantSizes({})).modified is False
+
+
 def test_chunks_above_min_tokens_and_answers_the_same(one_rank):
     torch.manual_seed(0)
     model = RowParallel().eval()
     sizes = [4, 64, 200]
     fast = sw.compile(model, sizes=sizes, ranges=[(5, 63)], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)])
+                      graph_passes=[sw.library.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)])
     with torch.no_grad():
         for n in [*sizes, 9, 40]:
             x = torch.randn(n, 32)
             assert_same(fast(x), model(x), f"n={n}")
     # 200 rows: slices of 48, 48, 48, 56; 64 rows: four of 16; 4 rows and the range: untouched.
-    assert sw.passes.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)._bounds(200) == [48, 48, 48, 56]
+    assert sw.library.OverlapAllReduce(chunks=4, min_tokens=64, align=16, min_slice=16)._bounds(200) == [48, 48, 48, 56]
     assert _collectives(fast, 200) == 8 and _collectives(fast, 64) == 8 and _collectives(fast, 4) == 2
     labels = {row["key"]: row["passes"] for row in fast.report()}
     assert "overlap_all_reduce" in labels["{n=200}"] and not labels["{n=4}"] and not labels["{n=5..63}"]
@@ -89,7 +130,7 @@ def _sliced_at_64(model: nn.Module, chunks: int) -> str:
     checked against eager: the rewritten graph's code."""
     torch.manual_seed(0)
     fast = sw.compile(model.eval(), sizes=[64], backend="aot_eager", progress=False,
-                      graph_passes=[sw.passes.OverlapAllReduce(chunks=chunks, min_tokens=64, align=16, min_slice=16)])
+                      graph_passes=[sw.library.OverlapAllReduce(chunks=chunks, min_tokens=64, align=16, min_slice=16)])
     with torch.no_grad():
         x = torch.randn(64, 32)
         assert_same(fast(x), model(x), "n=64")
@@ -115,7 +156,7 @@ def test_a_node_that_mixes_rows_ends_the_chunked_region(one_rank):
 
 
 def test_slice_sizes():
-    bounds = sw.passes.OverlapAllReduce(chunks=4, align=256, min_slice=256)._bounds
+    bounds = sw.library.OverlapAllReduce(chunks=4, align=256, min_slice=256)._bounds
     assert bounds(4096) == [1024] * 4  # whole 256-row matmul tiles
     assert bounds(1000) == [256, 256, 488]  # three slices: four would be under 256 rows
     assert bounds(600) == [256, 344]
@@ -126,13 +167,13 @@ def test_slice_sizes():
 
 
 def test_slices_are_never_under_min_slice():
-    bounds = sw.passes.OverlapAllReduce()._bounds  # chunks=4, align=256, min_slice=1024
+    bounds = sw.library.OverlapAllReduce()._bounds  # chunks=4, align=256, min_slice=1024
     assert bounds(4096) == [1024] * 4 and bounds(2048) == [1024, 1024] and bounds(3000) == [1280, 1720]
     assert bounds(2047) is None
 
 
 def test_bad_options_are_refused():
     with pytest.raises(ConfigError, match="chunks"):
-        sw.passes.OverlapAllReduce(chunks=1)
+        sw.library.OverlapAllReduce(chunks=1)
     with pytest.raises(ConfigError, match="min_tokens"):
-        sw.passes.OverlapAllReduce(min_tokens=0)
+        sw.library.OverlapAllReduce(min_tokens=0)

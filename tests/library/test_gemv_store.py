@@ -1,4 +1,4 @@
-"""``shapewise::gemv``'s tuning results on disk (``shapewise.kernels.store``): round trips, keys,
+"""``shapewise::gemv``'s tuning results on disk (``shapewise.library.kernels.store``): round trips, keys,
 broken files, the cache switch, concurrent writers, the two tuning levels (candidates timed once
 per weight, the winner against F.linear per row count), and ``DecodeGemv`` tuning at compile time.
 
@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import shapewise as sw
-from shapewise.kernels.store import MISSING, TuningStore
+from shapewise.library.kernels.store import MISSING, TuningStore
 
-gemv = importlib.import_module("shapewise.kernels.gemv")  # the package's ``gemv`` is the op
-decode_gemv = importlib.import_module("shapewise.passes.decode_gemv")
+gemv = importlib.import_module("shapewise.library.kernels.gemv")  # the package's ``gemv`` is the op
+decode_gemv = importlib.import_module("shapewise.library.decode_gemv")
 SHAPE = dict(rows=2, n=64, k=256, dtype=torch.bfloat16, bias=True)
 
 
@@ -315,7 +315,7 @@ def test_decode_gemv_hands_each_rewritten_shape_to_the_tuner(monkeypatch):
     monkeypatch.setattr(decode_gemv, "_tune_ahead", lambda shapes: seen.append(shapes))
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16, bias=False)).to(torch.bfloat16)
     fast = sw.compile(model, sizes=[1, 4, 32], backend="aot_eager",
-                      graph_passes=[sw.passes.DecodeGemv(max_tokens=4, devices=("cpu",))])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, devices=("cpu",))])
     fast(torch.randn(4, 32, dtype=torch.bfloat16))
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     assert sorted(s for shapes in seen for s in shapes) == [
@@ -367,7 +367,7 @@ def test_decode_gemv_tunes_at_compile_time_and_a_restart_tunes_nothing(store, mo
     monkeypatch.setattr(gemv, "_tune", lambda *a: timed.append(a[0].shape[0]) or real(*a))
     hidden = 1024 + 48  # shapes of their own
     model = nn.Sequential(nn.Linear(512, hidden), nn.SiLU(), nn.Linear(hidden, 512)).cuda().to(torch.bfloat16)
-    fast = sw.compile(model, sizes=[1, 2, 32], graph_passes=[sw.passes.DecodeGemv(max_tokens=8)])
+    fast = sw.compile(model, sizes=[1, 2, 32], graph_passes=[sw.library.DecodeGemv(max_tokens=8)])
     with torch.no_grad():
         fast(torch.randn(1, 512, device="cuda", dtype=torch.bfloat16))
         assert sorted(timed) == [1, 1, 2, 2] and len(_files(store)) == 4  # both decode sizes, before their calls

@@ -2,41 +2,25 @@
 in row chunks, pipelined.
 
     fast = sw.compile(tp_model, sizes=[1, 16, 256, 4096], splitting_ops=[attention],
-                      graph_passes=[sw.passes.OverlapAllReduce()])   # chunks=4, min_tokens=2048
+                      graph_passes=[sw.library.OverlapAllReduce()])   # chunks=4, min_tokens=2048
 
-In a tensor-parallel model (Megatron's split) the output projection and the MLP's down
-projection are row-parallel: each rank multiplies its slice of K, then an all-reduce sums the
-ranks' partial results. Everything after an all-reduce waits for all of it, so the link and
-the multiprocessors take turns. Most of a transformer layer is row-wise, though: token t's
-output depends on token t's input only (linear layers, norms over the hidden dim, activations,
-residual adds, the all-reduces themselves); only attention mixes tokens, and it is a splitting
-op, outside the pieces. So at a static size of at least ``min_tokens`` rows, this pass runs the
-row-wise part of a piece that holds an all-reduce as ``chunks`` independent slices of rows, in
-pipeline order: every slice's work up to its first all-reduce, then slice 0's work up to its
-next all-reduce, slice 1's, and so on. NCCL runs the collectives on its own stream, so slice
-i's all-reduce runs while slices i+1.. compute, and only the first slice's first all-reduce is
-exposed. Inductor keeps this order (it does not move collectives; ``tests/distributed`` checks
-its output code); the slices are put back together (``torch.cat``) where the piece returns them
-or where a node that is not row-wise reads them.
-
-What counts as row-wise (anything else ends the chunked region, which is always safe): linear
-layers (``F.linear``, ``x @ W.t()``, ``mm``, ``addmm``) of a row-split x and a weight without
-rows; pointwise ops and activations (broadcast operands without rows); reductions, softmax,
-``chunk``/``split``/``unbind`` over a dim other than 0; ``view``/``reshape`` that keep dim 0;
-dtype casts; ``_c10d_functional.all_reduce`` and ``wait_tensor``. A node's value must also have
-the row dim first. Each slice computes the same rows as before with the same ops, and the
-all-reduce sums each element across ranks as before, so answers match the unchunked piece
-(matmul tiling of a shorter M can change the last bits in low precision, as any size does).
-
-Slices are equal multiples of ``align`` (256) rows of at least ``min_slice`` (1024): what the
-slices cost where there is nothing to overlap (one H200, a one-rank group, the Llama-7B stack's
-TP=2 shapes; ``benchmarks/results/overlap_h200``) is 2% of a forward at 4096 tokens in two
-slices and 5% in four, but 8% and 25% at 1024 tokens, and slices of odd sizes (1088 rows) cost
-the matmuls up to 19% in empty tiles. Below ``min_tokens`` (2048) the collectives are short and
-the slices' price is not won back. Range variants and pieces without an all-reduce are left
-alone, and so are pieces whose tokens are not dim 0 of their inputs (``[batch, seq, hidden]``
-with a static batch: flatten the tokens, as vLLM's and ``TPLlama``'s ``[tokens, hidden]`` do)
-and pieces with in-place ops (the slices run out of the old order).
+In: a compute piece's graph at a static size whose row count (the one size symbol that is dim 0
+of the piece's tensor inputs) is at least ``min_tokens``, and which holds an
+``_c10d_functional.all_reduce``. Out: the same graph with its row-wise part (linear layers of a
+row-split input and a weight without rows, pointwise ops, reductions, softmax and splits over a
+dim other than 0, views that keep dim 0, casts, the all-reduces and their waits) run as up to
+``chunks`` slices of rows, in pipeline order: every slice's work up to its first all-reduce,
+then slice 0's work up to its next one, slice 1's, and so on, so that slice i's all-reduce runs
+(on NCCL's stream) while slices i+1.. compute. The slices are put back together (``torch.cat``)
+where the piece returns them or where a node that is not row-wise reads them; anything not
+row-wise ends the chunked region. Slices are equal multiples of ``align`` rows, each at least
+``min_slice`` rows, the last taking the remainder. The answers are the unchunked piece's.
+``PassResult.modified`` is False, and the graph untouched, for range variants, fewer rows,
+pieces without an all-reduce, pieces whose tokens are not dim 0 of their inputs (flatten them
+to ``[tokens, hidden]``) and pieces with in-place ops (the slices run out of the old order).
+The rewritten variants get Inductor options that keep the slices' kernels and waits apart
+(``inductor_options``). Why these defaults, and what the slices cost:
+``benchmarks/results/overlap_h200/NOTE.md``.
 """
 
 from __future__ import annotations
@@ -52,8 +36,9 @@ import torch.nn.functional as F
 
 from shapewise._compat import node_value, sym_expr
 from shapewise.errors import ConfigError
-from shapewise.passes.graph_pass import GraphPass, Sizes, VariantSizes
-from shapewise.passes.patterns import match_linear
+from shapewise.library.patterns import match_linear
+from shapewise.passes.base import register_pass
+from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
 
 __all__ = ["OverlapAllReduce"]
 
@@ -114,6 +99,7 @@ class _Plan:
     depth: dict[torch.fx.Node, int] = field(default_factory=dict)  # all-reduces waited for on the way
 
 
+@register_pass
 @dataclass(frozen=True)
 class OverlapAllReduce(GraphPass):
     """Pieces with an all-reduce, at >= ``min_tokens`` rows, in ``chunks`` pipelined row slices."""
@@ -141,15 +127,15 @@ class OverlapAllReduce(GraphPass):
         # Fusions along a slice share whole activations (MiBs at these sizes) and still happen.
         return {"reorder_for_peak_memory": False, "score_fusion_memory_threshold": 2**20}
 
-    def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> torch.fx.GraphModule:
+    def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult:
         if not isinstance(sizes, VariantSizes):
             sizes = VariantSizes(sizes)
         plan = self.plan(gm.graph, sizes)
         if plan is None:
-            return gm
+            return PassResult(gm, False)
         gm.graph = _emit(gm.graph, plan)
         gm.recompile()
-        return gm
+        return PassResult(gm, True)
 
     # -- which nodes are row-wise ----------------------------------------------------------
     def plan(self, graph: torch.fx.Graph, sizes: VariantSizes) -> _Plan | None:
