@@ -154,3 +154,15 @@ def assert_before_after(pass_, program, before: str, after: str) -> Any:
         assert got == want, f"{pass_.spec()}: the {'graph' if isinstance(pass_, sw.GraphPass) else 'program'} " \
                             f"{what} it differs; printed:\n{got}"
     return out
+
+
+class PerRow(torch.nn.Module):
+    """A linear layer divided by the batch size: wrong at any size but the traced one if the size
+    were baked in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x) / x.shape[0]

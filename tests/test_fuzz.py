@@ -584,7 +584,7 @@ def test_split_then_stitch_is_the_identity_long(recipe, n):
 # Counted as events, not failures: the two known limits of property 1 (a range compile that
 # specialises inside its range; a size that contradicts a guard of the trace, refused naming
 # it). The four shapewise bugs this fuzzer found are fixed; the tests at the end of this file
-# and in tests/test_backend.py pin them.
+# and in tests/test_module.py pin them.
 
 TRAIN_COLS = 4  # D of x: [B, T, D]
 VOCAB = 7       # classes of the LM losses
