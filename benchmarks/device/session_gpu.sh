@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpus.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/dispatch tests/distributed tests/lower \
-    tests/passes tests/kernels tests/models tests/test_direct.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
+    tests/passes tests/library tests/models tests/test_direct.py 2>&1 | tail -30 | tee "$OUT/gpu_tests.txt"
   timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_direct.py 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.txt"
 fi
 timeout 240 python3 benchmarks/bench_host.py --device cuda --out "$OUT/host_h200" 2>&1 | tail -60

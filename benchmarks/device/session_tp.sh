@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpus.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/passes tests/distributed 2>&1 \
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/library tests/passes tests/distributed 2>&1 \
     | tail -20 | tee "$OUT/gpu_tests.txt"
 fi
 timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_tp.py --out "$OUT/tp" "$@" > "$OUT/bench_tp.log" 2>&1
