@@ -52,9 +52,11 @@ right:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -273,7 +275,12 @@ class DirectCall:
                 else:
                     env[f"Q{len(parts)}"] = v
                     parts.append(f"Q{len(parts)}")
-            body.append(f"return unflatten([{', '.join(parts)}], spec)")
+            fast = model_output_builder(spec, leaves)
+            if fast is not None:
+                env["build"] = fast
+                body.append(f"return build([{', '.join(parts)}])")
+            else:
+                body.append(f"return unflatten([{', '.join(parts)}], spec)")
         src = "def direct(args, kwargs):\n" + "\n".join("    " + line for line in head + body) + "\n"
         exec(compile(src, "<shapewise direct call>", "exec"), env)  # noqa: S102 - generated from the trace
         self.fn = env["direct"]
@@ -451,6 +458,33 @@ def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], r
 def bound_module(model: Any) -> Any:
     """The module whose state a call depends on: the model, or the module of a bound forward."""
     return model.__self__ if inspect.ismethod(model) and isinstance(model.__self__, torch.nn.Module) else model
+
+
+def model_output_builder(spec: Any, example: list[Any]) -> Callable[[list[Any]], Any] | None:
+    """A rebuild of a result that is one dataclass dict of leaves (transformers' ``ModelOutput``) that
+    sets its fields directly (~1 µs, against ~16 through its ``__init__`` on a 2-core CPU); None
+    unless it rebuilds ``example`` as ``pytree.tree_unflatten`` does (type, items, attributes)."""
+    cls = spec.type
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and issubclass(cls, OrderedDict)) or \
+            spec.num_children != len(example) or not all(spec.child(i).is_leaf() for i in range(spec.num_children)):
+        return None
+    keys, names, set_item = list(spec.context), [f.name for f in dataclasses.fields(cls)], OrderedDict.__setitem__
+
+    def build(values: list[Any]) -> Any:
+        obj = cls.__new__(cls)
+        attrs = obj.__dict__
+        for name in names:
+            attrs[name] = None
+        for k, v in zip(keys, values):
+            attrs[k] = v
+            if v is not None:
+                set_item(obj, k, v)
+        return obj
+
+    ref, got = pytree.tree_unflatten(example, spec), build(example)
+    same = type(ref) is type(got) and [(k, id(v)) for k, v in ref.items()] == [(k, id(v)) for k, v in got.items()] \
+        and {k: id(v) for k, v in vars(ref).items()} == {k: id(v) for k, v in vars(got).items()}
+    return build if same else None
 
 
 def self_in_args(model: Any) -> bool:

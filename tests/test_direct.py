@@ -3,6 +3,9 @@ Each test checks the answers against eager and whether the direct call or Dynamo
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -516,3 +519,57 @@ def test_tensors_inside_an_object_are_checked_in_one_call_that_refuses_each_chan
                 fast(x, cache)
             return
         assert not _served_directly(fast, lambda: assert_same(fast(x, cache), expected, change.__name__))
+
+
+class _WithModelOutput(nn.Module):
+    """Returns transformers' ``CausalLMOutputWithPast``, as a causal LM does: a dataclass dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(logits=self.lin(x))
+
+
+@functools.cache
+def _tagged_output():
+    """A ModelOutput whose ``__post_init__`` sets an attribute of its own (a pytree node, as every
+    ModelOutput subclass registers itself)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    @dataclasses.dataclass
+    class Tagged(CausalLMOutputWithPast):
+        def __post_init__(self):
+            super().__post_init__()
+            self.tag = "made by __post_init__"
+
+    return Tagged
+
+
+def test_a_model_output_is_rebuilt_past_its_init_and_equals_the_one_through_dynamo():
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    import shapewise.direct as direct
+
+    model = _WithModelOutput()
+    fast = sw.compile(model, sizes=[2, 4], backend="eager", direct_call=True)
+    with torch.no_grad():
+        first = fast(torch.randn(2, 8))  # through Dynamo: arms the direct call
+        x = torch.randn(4, 8)
+        assert _served_directly(fast, lambda: fast(x))
+        got = fast(x)
+    assert "return build(" in fast._directs.armed[0].source  # the fast rebuild, not pytree's
+    ref = CausalLMOutputWithPast(logits=got.logits)
+    assert type(got) is type(first) is CausalLMOutputWithPast
+    assert list(got.keys()) == list(ref.keys()) == ["logits"] and vars(got).keys() == vars(ref).keys()
+    assert got.loss is None and got[0] is got.logits and got.to_tuple() == ref.to_tuple()
+    assert_same(got.logits, model(x).logits)
+    # what the fast rebuild cannot make as pytree does is rebuilt by pytree
+    leaves, spec = torch.utils._pytree.tree_flatten(ref)
+    assert direct.model_output_builder(spec, leaves) is not None
+    assert direct.model_output_builder(torch.utils._pytree.tree_flatten((1, 2))[1], [1, 2]) is None
+    leaves, spec = torch.utils._pytree.tree_flatten(_tagged_output()(logits=got.logits))
+    assert direct.model_output_builder(spec, leaves) is None
