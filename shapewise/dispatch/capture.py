@@ -14,7 +14,6 @@ import torch
 from shapewise import _compat
 from shapewise.dispatch.cudagraphs import GraphRuntime, is_fixed
 from shapewise.errors import ConfigError
-from shapewise.ir.effects import mutated_inputs
 from shapewise.ir.program import Program, TensorMeta
 
 __all__ = ["capture_now", "dummy_inputs", "graph_memory"]
@@ -72,7 +71,7 @@ def capture_now(program: Program, runtime: Any, example_inputs: Sequence[Any],
                           "size to capture; give capture_sizes)")
     start = time.perf_counter()
     show = progress if progress is not None else logging.getLogger("shapewise").isEnabledFor(logging.INFO)
-    written = mutated_inputs(program.gm)
+    written = plan.written  # the inputs the graph writes, as CudaGraphs found them
     kept = [t for i, t in enumerate(example_inputs) if i in written and isinstance(t, torch.Tensor)]
     with torch.no_grad():
         snapshots = [t.clone() for t in kept]

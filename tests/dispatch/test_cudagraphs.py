@@ -9,6 +9,7 @@ import shapewise as sw
 from shapewise.dispatch.cudagraphs import CudaGraphs, GraphRuntime
 from shapewise.dispatch.graphed import GraphPool
 from shapewise.dispatch.plan import GraphPlan, GraphSize
+from shapewise.ir.effects import mutated_inputs
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, ToyTransformer, attention
 from tests.helpers import assert_same, column_major_after, dynamo_graph
 
@@ -370,7 +371,8 @@ def _planned_graphs(program, keys):
     start-up capture: a runtime built with ``_no_graphs`` runs its plain runners there."""
     plan = program.dispatch
     sizes = tuple(GraphSize(k, next(b for b in plan.exact if b.key == k), True) for k in keys)
-    return program.replace(dispatch=plan.replace(graphs=GraphPlan(sizes, {}, at_startup=True)))
+    graphs = GraphPlan(sizes, {}, written=frozenset(mutated_inputs(program.gm)), at_startup=True)
+    return program.replace(dispatch=plan.replace(graphs=graphs))
 
 
 def _no_graphs(program, plan):
