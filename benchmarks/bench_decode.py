@@ -11,7 +11,9 @@ Contenders (each on its own copy of the weights):
   hf_recipe    transformers' own recipe: the static cache and ``torch.compile(mode="reduce-overhead",
                fullgraph=True)`` of the forward (``generate()``'s ``CompileConfig``);
   sw_full      ``sw.compile_generate(..., static_cache=True, cudagraphs="full")`` (the forward one
-               piece: compile_generate splits nothing under full graphs);
+               piece: compile_generate splits nothing under full graphs; q/k/v and gate/up fused,
+               ``FuseProjections``, its default since 2026-12-03);
+  sw_full_nofuse  ``sw_full`` with ``fuse_projections=False`` (seven matmuls a layer);
   sw_full_split   ``sw_full`` with ``splitting_ops=("sdpa",)``: pieces split at SDPA, so Inductor
                does not fuse across the attention (compile_generate's default before 2026-12-03);
   sw_full_and_piecewise   ``cudagraphs={"mode": "full_and_piecewise"}`` (split at SDPA; decode, one
@@ -59,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shapewise as sw  # noqa: E402
 from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
-CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_split", "sw_full_and_piecewise")
+CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_nofuse", "sw_full_split", "sw_full_and_piecewise")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -84,8 +86,10 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
         model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
         return None
     graphs = {"sw_full": "full", "sw_full_and_piecewise": {"mode": "full_and_piecewise"},
-              "sw_full_split": "full"}[name]
+              "sw_full_split": "full", "sw_full_nofuse": "full"}[name]
     split = {"splitting_ops": ("sdpa",)} if name == "sw_full_split" else {}
+    if name == "sw_full_nofuse":
+        split["fuse_projections"] = False
     return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
                                backend="inductor", cudagraphs=graphs if device == "cuda" else False,
                                progress=False, **split)

@@ -113,7 +113,8 @@ def _cache_layers(cache: Any) -> list[Any]:
 
 def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
                      prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
-                     static_cache: bool = False, splitting_ops: Any = None, **options: Any) -> ShapewiseModule:
+                     static_cache: bool = False, splitting_ops: Any = None, fuse_projections: bool = True,
+                     **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
 
@@ -127,7 +128,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from
     fusing across the attention: there the forward is one piece (on the H200 at Llama-3.2-1B
     shapes, 297 kernels a decode step against 342, as transformers' recipe;
-    benchmarks/results/decode_h200). Other options go to ``shapewise.compile``.
+    benchmarks/results/decode_h200). ``fuse_projections`` (default True): pack each module's
+    sibling linear layers into one buffer (``sw.library.pack_projections``: the model's parameters
+    become views into it, in place) and run ``sw.library.FuseProjections`` first among the graph
+    passes, so q, k, v (and gate, up) are one matmul each. Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
     if clash:
@@ -179,6 +183,11 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     # With a static cache on a GPU, generate() would wrap the forward in torch.compile itself.
     model.generation_config.disable_compile = True
     options.setdefault("direct_call", True)
+    if fuse_projections:
+        from shapewise.library.fuse_projections import FuseProjections, pack_projections  # registers its op
+
+        pack_projections(model)
+        options["graph_passes"] = (FuseProjections(), *options.get("graph_passes", ()))
     if splitting_ops is None:
         full = cudagraphs_options(options.get("cudagraphs", False)).get("mode") == "full"
         splitting_ops = () if full else ("sdpa",)

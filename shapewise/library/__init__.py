@@ -2,12 +2,14 @@
 
 In: nothing until a name is used. ``sw.library.DecodeGemv`` (``decode_gemv.py``: linear layers at
 decode sizes -> the ``shapewise::gemv`` op of ``kernels/gemv.py``) and ``sw.library.OverlapAllReduce``
-(``overlap.py``: all-reduces overlapped with compute in row slices) are imported on first use, so
+(``overlap.py``: all-reduces overlapped with compute in row slices) and ``sw.library.FuseProjections``
+with ``sw.library.pack_projections`` (``fuse_projections.py``: linear layers reading one activation ->
+one matmul over their packed weights, the ``shapewise::linear_group`` op) are imported on first use, so
 ``import shapewise`` registers no custom op. Out: ``GraphPass``es, registered by name, to hand to
 ``sw.compile(graph_passes=[...])``, ``sw.Rewrite`` or a ``Pipeline``.
 
-The framework, the stages and the user layer never import this package (the import-linter
-contract in pyproject.toml); it imports them.
+The framework and the stages never import this package, nor does the user layer but for
+``compile_generate``, inside the call (the import-linter contracts in pyproject.toml).
 
     >>> fast = sw.compile(model, sizes=[1, 2, 4, 8, 64], graph_passes=[sw.library.DecodeGemv(max_tokens=8)])
 """
@@ -17,9 +19,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DecodeGemv", "OverlapAllReduce"]
+__all__ = ["DecodeGemv", "FuseProjections", "OverlapAllReduce", "pack_projections"]
 
-_WHERE = {"DecodeGemv": "shapewise.library.decode_gemv", "OverlapAllReduce": "shapewise.library.overlap"}
+_WHERE = {"DecodeGemv": "shapewise.library.decode_gemv", "OverlapAllReduce": "shapewise.library.overlap",
+          "FuseProjections": "shapewise.library.fuse_projections",
+          "pack_projections": "shapewise.library.fuse_projections"}
 
 
 def __getattr__(name: str) -> Any:
