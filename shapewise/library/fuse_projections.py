@@ -82,7 +82,8 @@ def _joined(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     if run is not None:
         return run
     key = (what, tuple(tuple(t.shape) for t in tensors), tensors[0].dtype)
-    if key not in _warned:
+    # A model's parameters (tensors that are not, such as Verify's random inputs, are copied quietly)
+    if key not in _warned and any(isinstance(t, torch.nn.Parameter) for t in tensors):
         _warned.add(key)
         log.warning("shapewise: FuseProjections: the %s %s are not one packed buffer (a layer was given a new "
                     "Parameter?); each call copies them into one. Call sw.library.pack_projections(model) again "
@@ -109,6 +110,28 @@ def _(x, weights, biases):
                      lambda: f"shapewise::linear_group: weight {tuple(w.shape)} does not take x {tuple(x.shape)}")
     n = sum(w.shape[0] for w in weights)
     return x.new_empty((*x.shape[:-1], n))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weights, biases = inputs
+    ctx.save_for_backward(x, *weights)
+    ctx.rows = [w.shape[0] for w in weights]
+    ctx.biased = bool(biases)
+
+
+def _backward(ctx, grad):
+    # The pass fuses inference graphs only; this keeps a graph that AOT autograd traces with
+    # parameters requiring grad (a Pipeline run outside no_grad) lowering, and right. AOT traces
+    # it on fake tensors, which have no addresses to check: the weights are concatenated.
+    x, *weights = ctx.saved_tensors
+    grad_x = grad @ torch.cat(weights)
+    flat_g, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_w = list((flat_g.t() @ flat_x).split(ctx.rows))
+    grad_b = list(flat_g.sum(0).split(ctx.rows)) if ctx.biased else []
+    return grad_x, grad_w, grad_b
+
+
+linear_group.register_autograd(_backward, setup_context=_setup_context)
 
 
 # --- packing ---------------------------------------------------------------------------------
