@@ -306,14 +306,25 @@ class FuseProjections(GraphPass):
         g = gm.graph
         widths = [node_value(m[2]).shape[0] for m in members]
         biases = [m[3] for m in members] if members[0][3] is not None else []
+        op = torch.ops.shapewise.linear_group.default
         with g.inserting_before(first):
-            y = g.call_function(torch.ops.shapewise.linear_group.default, (x, [m[2] for m in members], biases))
+            y = g.call_function(op, (x, [m[2] for m in members], biases))
             parts = g.call_method("split", (y, widths, -1))
-            outs = [g.call_method("contiguous", (g.call_function(operator.getitem, (parts, i)),))
-                    for i in range(len(members))]
-        y.meta.update(first.meta)
-        y.meta.pop("example_value", None)
-        y.meta.pop("val", None)
+            items = [g.call_function(operator.getitem, (parts, i)) for i in range(len(members))]
+            outs = [g.call_method("contiguous", (item,)) for item in items]
+        # Traced values for the new nodes, as Dynamo gives every node (AOT autograd's cache
+        # takes a method call only on a node that has one).
+        for node in (y, parts, *items):
+            node.meta.update({k: v for k, v in first.meta.items() if k not in ("example_value", "val")})
+        xv = node_value(x)
+        mode = getattr(xv, "fake_mode", None)
+        if mode is not None:
+            with mode:
+                yv = op(xv, [node_value(m[2]) for m in members], [node_value(b) for b in biases])
+                pv = yv.split(widths, -1)
+            y.meta["example_value"], parts.meta["example_value"] = yv, pv
+            for item, v in zip(items, pv):
+                item.meta["example_value"] = v
         for (node, *_), out in zip(members, outs):
             out.meta.update(node.meta)
             node.replace_all_uses_with(out)

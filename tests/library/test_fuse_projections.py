@@ -62,10 +62,10 @@ def test_the_rewrite_fuses_the_packed_run_and_leaves_the_other_weight():
             linear_group_default = torch.ops.shapewise.linear_group.default(l_x_, [l_wq_, l_wk_, l_wv_], [])
             split = linear_group_default.split([8, 8, 8], -1)
             getitem = split[0]
-            contiguous = getitem.contiguous()
             getitem_1 = split[1]
-            contiguous_1 = getitem_1.contiguous()
             getitem_2 = split[2]
+            contiguous = getitem.contiguous()
+            contiguous_1 = getitem_1.contiguous()
             contiguous_2 = getitem_2.contiguous()
             add = contiguous + contiguous_1
             add_1 = add + contiguous_2
@@ -76,6 +76,12 @@ def test_the_rewrite_fuses_the_packed_run_and_leaves_the_other_weight():
     (variant,) = out.compute_pieces[0].variants
     x = torch.randn(3, 16)
     assert_same(variant.gm(x, wq, wk, wv, w_other)[0], f(x))
+    # Every node the pass adds has a traced value, as Dynamo's do (AOT autograd's cache, and so the
+    # artifact cache, refuses a graph with a method called on a node without one).
+    new = [n for n in variant.gm.graph.nodes if n.op in ("call_function", "call_method")]
+    assert all("example_value" in n.meta for n in new), [n.name for n in new if "example_value" not in n.meta]
+    (split,) = variant.gm.graph.find_nodes(op="call_method", target="split")
+    assert [v.shape[-1] for v in split.meta["example_value"]] == [8, 8, 8]
     # The order of the run is the storage's, whatever the graph's order: v, q, k is fused as q, k, v.
     gm2 = dynamo_graph(lambda x: F.linear(x, wv) * F.linear(x, wq) - F.linear(x, wk), torch.randn(4, 16))
     (variant,) = sw.library.FuseProjections()(sw.Concretize(sizes=[3])(gm2)).compute_pieces[0].variants
