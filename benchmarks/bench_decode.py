@@ -28,7 +28,9 @@ The decode step is the call ``generate()`` makes: its arguments are recorded fro
   wait), median over steps;
 - GPU µs per step: CUDA events around ``n`` steps issued while the GPU is held busy by a spin
   kernel first (the host far ahead; ``n`` kept under the launch queue's depth), median of rounds;
-- kernels, device copies (memcpy and copy kernels) and memsets per step, from torch.profiler over
+- kernels, device copies (memcpys, and kernels that only copy: ``is_copy_kernel``; before 2026-12-03
+  every kernel with "copy" in its name was counted, Inductor's fused RMSNorms with their dtype
+  casts included) and memsets per step, and each kernel name's count per step, from torch.profiler over
   ``--profile-steps`` steps, with the GPU kernel time they add up to;
 - the floor: the weights' bytes (read once per step) over the measured copy bandwidth (a 1 GiB
   device-to-device copy, bytes read plus bytes written), and the fraction of it reached;
@@ -52,6 +54,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -239,22 +242,44 @@ def profile(step: Step, device: str, steps: int) -> dict[str, Any]:
         for _ in range(steps):
             step.call()
         sync(device)
-    kernels = copies = memsets = 0
+    kernels = copies = memsets = fused_copy_names = 0
     kernel_us = 0.0
+    names: Counter[str] = Counter()
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = e.name.lower()
+        names[e.name] += 1
         if "memset" in name:
             memsets += 1
-        elif "memcpy" in name or "copy" in name:
+        elif "memcpy" in name:
             copies += 1
-            kernels += "memcpy" not in name
         else:
             kernels += 1
+            if is_copy_kernel(name):
+                copies += 1
+            elif "copy" in name:
+                fused_copy_names += 1
         kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
     return {"kernels_per_step": kernels / steps, "copies_per_step": copies / steps,
-            "memsets_per_step": memsets / steps, "kernel_us_per_step": round(kernel_us / steps, 1)}
+            "fused_kernels_named_copy_per_step": fused_copy_names / steps,
+            "memsets_per_step": memsets / steps, "kernel_us_per_step": round(kernel_us / steps, 1),
+            "kernel_names_per_step": {n: round(c / steps, 2) for n, c in names.most_common(60)}}
+
+
+def is_copy_kernel(name: str) -> bool:
+    """Whether a GPU kernel (lower-case name) only copies: ATen's copy kernels (``copy_``,
+    ``contiguous``, ``cat``) and Inductor kernels made of copies alone (``triton_poi_fused_copy_0``,
+    ``..._fused_clone_0``, ``..._fused_index_copy_0``). An Inductor kernel that fuses a copy with
+    compute (``triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0``: an RMSNorm, whose dtype cast
+    is a ``_to_copy``) is not one; these were counted as copies before 2026-12-03."""
+    if "copy_kernel" in name or "catarraybatchedcopy" in name:
+        return True
+    for prefix in ("triton_poi_fused_", "triton_per_fused_", "triton_red_fused_"):
+        if name.startswith(prefix):
+            ops = name[len(prefix):].rsplit("_", 1)[0]
+            return ops in ("copy", "clone", "index_copy", "_to_copy", "cat", "copy__", "slice_scatter")
+    return False
 
 
 def generate_tokens_per_s(model, ids: torch.Tensor, new: int, device: str, repeats: int) -> float:
@@ -365,7 +390,7 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
             row["fraction_of_floor"] = round(floor_us / row["gpu_us_per_step"], 3)
         row["generate_decode_tokens_per_s"] = generate_tokens_per_s(models[name], ids, args.new, device,
                                                                     args.generate_repeats)
-        print({k: v for k, v in row.items() if k not in ("direct_info", "host_profile_top")}, flush=True)
+        print({k: v for k, v in row.items() if k not in ("direct_info", "host_profile_top", "kernel_names_per_step")}, flush=True)
     return {"model": shape, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "weight_bytes": weight_bytes, "floor_us": round(floor_us, 1),
             "kv_cache_bytes": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim
