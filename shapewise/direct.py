@@ -229,6 +229,7 @@ class DirectCall:
         if batch:
             env["TG"] = _compat.tensor_checks(*zip(*(b[1:] for b in batch)))
             reads.append(f"if not TG.check({', '.join(b[0] for b in batch)}): return MISS")
+        reads = checks.merge_checks(reads, env)
         if reads:
             body += ["try:", *("    " + line for line in reads),
                      "except Exception:", "    return MISS"]

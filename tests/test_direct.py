@@ -431,6 +431,61 @@ def test_what_an_object_argument_holds_is_checked_past_its_tensors(change):
         _Held.scale = 2
 
 
+class _Layer:
+    window = 4  # a class attribute, read through each layer
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys, self.size, self.kind, self.tag = keys, 3, "full", "t"
+
+
+class _Stack:
+    def __init__(self, n: int) -> None:
+        self.layers = [_Layer(torch.ones(2, 3)) for _ in range(n)]
+
+
+class _ReadsLayers(nn.Module):
+    def forward(self, x: torch.Tensor, stack: _Stack) -> torch.Tensor:
+        for layer in stack.layers:
+            x = x + layer.keys * layer.size * layer.window * (2 if layer.kind == "full" else 3)
+        return x
+
+
+def _one_layer_value(s: _Stack) -> None:
+    s.layers[2].size = 4
+
+
+def _one_layer_type(s: _Stack) -> None:
+    s.layers[3].size = 3.0  # equal, but a float
+
+
+def _the_class(s: _Stack) -> None:
+    _Layer.window = 5
+
+
+def _one_layer_attribute_gone(s: _Stack) -> None:
+    del s.layers[1].tag  # one the model never reads: a miss, not an AttributeError
+
+
+@pytest.mark.parametrize("change", [_one_layer_value, _one_layer_type, _the_class, _one_layer_attribute_gone])
+def test_the_layers_constants_are_checked_at_once_and_each_change_is_refused(change):
+    # Objects holding the same constants (a cache's layers) are checked by one map over all of
+    # them, and their class once (direct_checks.merge_checks): still every change is refused.
+    model = _ReadsLayers()
+    fast = sw.compile(model, dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    x, stack = torch.ones(2, 3), _Stack(5)
+    try:
+        for _ in range(2):
+            assert_same(fast(x, stack), model(x, stack), "as armed")
+        assert fast.direct_calls == 1
+        (direct,) = fast._directs.armed
+        assert direct.source.count("tuple(map(XG") == 1 and direct.source.count("XC") == 1, direct.source
+        change(stack)
+        assert not _served_directly(fast, lambda: assert_same(fast(x, stack), model(x, stack), change.__name__))
+    finally:
+        _Layer.window = 4
+
+
 def test_aliasing_is_checked_as_the_arming_call_had_it():
     class Grows(nn.Module):
         def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:
