@@ -390,7 +390,8 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
             row["fraction_of_floor"] = round(floor_us / row["gpu_us_per_step"], 3)
         row["generate_decode_tokens_per_s"] = generate_tokens_per_s(models[name], ids, args.new, device,
                                                                     args.generate_repeats)
-        print({k: v for k, v in row.items() if k not in ("direct_info", "host_profile_top", "kernel_names_per_step")}, flush=True)
+        quiet = ("direct_info", "host_profile_top", "kernel_names_per_step")
+        print({k: v for k, v in row.items() if k not in quiet}, flush=True)
     return {"model": shape, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "weight_bytes": weight_bytes, "floor_us": round(floor_us, 1),
             "kv_cache_bytes": 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim

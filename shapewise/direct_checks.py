@@ -176,7 +176,8 @@ def merge_checks(lines: list[str], env: dict) -> list[str]:
     groups: dict[tuple, list[int]] = {}
     for i, line in enumerate(lines):
         m = _CONSTANTS.match(line)
-        if m and i + 1 < len(lines) and lines[i + 1] == f"if v != XW{m[1]} or tuple(map(type, v)) != XY{m[1]}: return MISS":
+        compare = m and f"if v != XW{m[1]} or tuple(map(type, v)) != XY{m[1]}: return MISS"
+        if m and i + 1 < len(lines) and lines[i + 1] == compare:
             n = m[1]
             key = (repr(env[f"XG{n}"]), env[f"XW{n}"], env[f"XY{n}"])  # attrgetter('a', 'b'): its names
             try:
