@@ -64,7 +64,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=100)
     args = ap.parse_args()
-    contenders = {"checks per object (before)": build(args.layers, False), "merged checks (now)": build(args.layers, True)}
+    contenders = {"checks per object (before)": build(args.layers, False),
+                  "merged checks (now)": build(args.layers, True)}
     for name, (fast, _) in contenders.items():
         assert fast.direct_info.endswith(": on"), (name, fast.direct_info)
     real_call = runnable.Runnable.__call__
