@@ -113,7 +113,7 @@ def _cache_layers(cache: Any) -> list[Any]:
 
 def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
                      prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
-                     static_cache: bool = False, splitting_ops: Any = None, fuse_projections: bool = True,
+                     static_cache: bool = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
                      **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
@@ -128,10 +128,15 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from
     fusing across the attention: there the forward is one piece (on the H200 at Llama-3.2-1B
     shapes, 297 kernels a decode step against 342, as transformers' recipe;
-    benchmarks/results/decode_h200). ``fuse_projections`` (default True): pack each module's
-    sibling linear layers into one buffer (``sw.library.pack_projections``: the model's parameters
-    become views into it, in place) and run ``sw.library.FuseProjections`` first among the graph
-    passes, so q, k, v (and gate, up) are one matmul each. Other options go to ``shapewise.compile``.
+    benchmarks/results/decode_h200). ``fuse_projections``: pack each module's sibling linear
+    layers into one buffer (``sw.library.pack_projections``: the model's parameters become views
+    into it, in place) and run ``sw.library.FuseProjections`` first among the graph passes, so q,
+    k, v (and gate, up) are one matmul each. By default (None) on where the steps replay CUDA
+    graphs (a model on a GPU, ``cudagraphs`` set), where the fused op's host cost is paid once, at
+    capture: on the H200 at 1B shapes the step's GPU time falls 17%. Without graphs each call of
+    the op costs more host time (~29 µs on a 2-core CPU) than the matmul launches it saves (a
+    16-layer decode step on the CPU: 4.1 ms fused, 2.2 unfused; benchmarks/bench_fuse_cpu.py).
+    Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
     if clash:
@@ -183,6 +188,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     # With a static cache on a GPU, generate() would wrap the forward in torch.compile itself.
     model.generation_config.disable_compile = True
     options.setdefault("direct_call", True)
+    if fuse_projections is None:
+        first = next(iter(model.parameters()), None)
+        fuse_projections = bool(first is not None and first.device.type == "cuda"
+                                and options.get("cudagraphs", False))  # {} is off, as cudagraphs_options says
     if fuse_projections:
         from shapewise.library.fuse_projections import FuseProjections, pack_projections  # registers its op
 

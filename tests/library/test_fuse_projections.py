@@ -171,7 +171,8 @@ def test_a_new_parameter_is_still_right_and_packing_again_reads_in_place(caplog)
     # direct_call=False: a direct call holds the parameters the trace read (shapewise.direct), so
     # it would not see a replaced Parameter at all; through Dynamo's frame each call reads them.
     model, reference = decoder("llama"), decoder("llama")
-    fast = sw.compile_generate(model, prompt_sizes=[6], max_length=32, backend="aot_eager", direct_call=False)
+    fast = sw.compile_generate(model, prompt_sizes=[6], max_length=32, backend="aot_eager", direct_call=False,
+                               fuse_projections=True)  # on the CPU without CUDA graphs it is off by default
     ids = torch.randint(0, VOCAB, (1, 6))
     run = dict(do_sample=False, max_new_tokens=4, return_dict_in_generate=True, output_logits=True)
 
@@ -202,6 +203,17 @@ def test_a_new_parameter_is_still_right_and_packing_again_reads_in_place(caplog)
         assert [str(p) for p in sw.library.pack_projections(model)] == [
             "model.layers.1.self_attn.{q_proj, k_proj, v_proj, o_proj} -> [96, 32]"]
         assert check() == []
+
+
+def test_compile_generate_fuses_by_default_only_where_steps_replay_cuda_graphs():
+    # Without graphs the op's host cost per call outweighs the launches it saves (generate.py).
+    model = decoder("llama")
+    fast = sw.compile_generate(model, prompt_sizes=[6], max_length=32, backend="aot_eager")
+    with torch.no_grad():
+        model.generate(torch.randint(0, VOCAB, (1, 6)), do_sample=False, max_new_tokens=2)
+    assert fused_groups(fast) == 0
+    attn = model.model.layers[0].self_attn
+    assert packed_run([attn.q_proj.weight, attn.k_proj.weight]) is None  # not packed either
 
 
 def test_a_graph_that_computes_gradients_is_not_fused():

@@ -1,0 +1,150 @@
+"""Device diagnostic (issue 26): where the host time of one shapewise decode step goes, layer by
+layer of the call, with the GPU idle before each call and with it busy (a ~10 ms spin kernel
+queued first, so the launch meets a full queue as it does when the host runs ahead).
+
+The model: bench_decode's Llama-3.2-1B shapes (``--layers`` of them), bf16, through
+``compile_generate(static_cache=True, cudagraphs="full")``, and the decode call generate() makes
+(bench_decode's ``Step``). Each layer below is timed on its own, called with the arguments the
+layer above handed it in a real step (recorded once):
+
+  step       ``model(**kwargs)``: nn.Module's call, then all below
+  module     ``ShapewiseModule.__call__``: the compiled forward as generate() reaches it
+  direct     the trace's generated direct call (arguments read, checks, output rebuilt)
+  runnable   ``Runnable.__call__``: dispatch key, lookup, the runner
+  runner     the dispatch entry (the whole-forward graph's runner: replay, outputs copied)
+  graphed    ``GraphedPiece.__call__``: address checks, input copies, replay
+  replay     ``CUDAGraph.replay()`` alone
+
+Differences between neighbours are each layer's own time. ``--profile N`` adds a cProfile table
+of N whole steps (busy GPU). On the CPU (``--device cpu``, no graphs) the layers down to the
+runner run, as a smoke test.
+
+    PYTHONPATH=. python3 benchmarks/device/host_breakdown.py --out $OUT/host_breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import shapewise as sw  # noqa: E402
+import shapewise.dispatch.graphed as graphed_mod  # noqa: E402
+import shapewise.dispatch.runnable as runnable_mod  # noqa: E402
+from benchmarks.bench_decode import Step, make_model  # noqa: E402
+
+
+def host_us(fn, rewind, busy: bool, device: str, n: int) -> float:
+    for _ in range(5):
+        rewind()
+        fn()
+    samples = []
+    for _ in range(n):
+        rewind()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            if busy:
+                torch.cuda._sleep(20_000_000)  # ~10 ms of spin ahead of the call
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return round(1e6 * statistics.median(samples), 1)
+
+
+def record(cls, name: str, seen: dict) -> None:
+    """Wrap ``cls.__call__`` to keep the first call's (self, args) under ``name``."""
+    real = cls.__call__
+
+    def spy(self, *args):
+        seen.setdefault(name, (self, args))
+        return real(self, *args)
+
+    cls.__call__ = spy
+    seen.setdefault("_restore", []).append((cls, real))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--shape", default="1b", help="bench_decode's model shapes (1b, 8b, tiny)")
+    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--profile", type=int, default=0)
+    args = ap.parse_args()
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = make_model(args.shape, device, dtype, args.layers)
+    fast = sw.compile_generate(model, prompt_sizes=[16], max_length=16 + 200, static_cache=True, backend="inductor",
+                               cudagraphs="full" if device == "cuda" else False, progress=False)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16), device=device)
+    step = Step("sw_full", model, ids, 200)
+    back = step.rewind
+    with torch.no_grad():
+        back()
+        step.call()  # captured, armed
+        seen: dict = {}
+        record(runnable_mod.Runnable, "runnable", seen)
+        record(graphed_mod.GraphedPiece, "graphed", seen)
+        back()
+        step.call()
+        for cls, real in seen.pop("_restore"):
+            cls.__call__ = real
+        runnable, run_args = seen["runnable"]
+        entry = runnable._exact.get(runnable._key(run_args))
+        (direct,) = [d for d in fast._directs.armed][:1]
+        layers = {
+            "step": step.call,
+            "module": lambda: fast(**step.kwargs),
+            "direct": lambda: direct((), step.kwargs),
+            "runnable": lambda: runnable(*run_args),
+            "runner": lambda: entry(*run_args),
+        }
+        if "graphed" in seen:
+            piece, piece_args = seen["graphed"]
+            layers["graphed"] = lambda: piece(*piece_args)
+            layers["replay"] = piece.graph.replay
+        rows = []
+        for name, fn in layers.items():
+            row = {"layer": name, "idle_us": host_us(fn, back, False, device, args.calls)}
+            if device == "cuda":
+                row["busy_us"] = host_us(fn, back, True, device, args.calls)
+            rows.append(row)
+            print(row, flush=True)
+        profile = None
+        if args.profile:
+            prof = cProfile.Profile()
+            for _ in range(min(args.profile, step.room)):
+                back()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(20_000_000)
+                prof.enable()
+                step.call()
+                prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            profile = text.getvalue()
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+              "shape": args.shape, "layers": args.layers, "direct_info": fast.direct_info, "rows": rows,
+              "profile": profile}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    if profile:
+        print(profile)
+
+
+if __name__ == "__main__":
+    main()
