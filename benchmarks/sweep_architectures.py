@@ -11,6 +11,7 @@ limit, so one model cannot stop the sweep). ``--out DIR`` writes ``sweep.jsonl``
 
     python benchmarks/sweep_architectures.py --out benchmarks/results/sweep_cpu           # all
     python benchmarks/sweep_architectures.py llama mistral qwen3_next                     # some
+    python benchmarks/sweep_architectures.py --parts generate --fuse-projections           # FuseProjections on
 """
 
 from __future__ import annotations
@@ -158,7 +159,9 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
                 row["error"] = row["error"] or _err(e)
                 return row
             eager_model = copy.deepcopy(model)  # noqa: F841 - keeps the weights if compile_generate mutates
-            fast = sw.compile_generate(model, prompt_sizes=[PROMPT], max_length=MAX_LENGTH, backend="aot_eager")
+            extra = {"fuse_projections": True} if os.environ.get("SWEEP_FUSE_PROJECTIONS") == "1" else {}
+            fast = sw.compile_generate(model, prompt_sizes=[PROMPT], max_length=MAX_LENGTH, backend="aot_eager",
+                                       **extra)
             bad = []
             for p, e in zip(prompts, expected):
                 got = model.generate(p, **run)
@@ -270,11 +273,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--mem-gb", type=float, default=8)
     ap.add_argument("--parts", default="forward,generate")
+    ap.add_argument("--fuse-projections", action="store_true",
+                    help="compile_generate(fuse_projections=True): its default is off without CUDA graphs")
     ap.add_argument("--update", action="store_true",
                     help="with --out: replace only the rows of the architectures run, keep the others")
     args = ap.parse_args(argv)
     archs = args.archs or architectures()
     parts = tuple(args.parts.split(","))
+    if args.fuse_projections:
+        os.environ["SWEEP_FUSE_PROJECTIONS"] = "1"  # read by each architecture's child process
     import transformers
 
     print(f"# {len(archs)} architectures, transformers {transformers.__version__}", flush=True)
