@@ -161,8 +161,17 @@ def pack_projections(model: torch.nn.Module) -> list[Packed]:
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"pack_projections(model): give the torch.nn.Module to pack, not {type(model).__name__}")
     holders: dict[int, int] = defaultdict(int)  # parameter id -> how many places hold it (ties)
-    for _, p in model.named_parameters(remove_duplicate=False):
+    in_storage: dict[int, set[int]] = defaultdict(set)  # storage address -> the tensors in it
+    for _, p in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         holders[id(p)] += 1
+        if _plain(p) and p.numel():
+            in_storage[p.untyped_storage().data_ptr()].add(id(p))
+
+    def alone(members: list[torch.nn.Linear], attr: str) -> bool:
+        # a storage shared only within the group: packed before, not tied to a tensor elsewhere
+        ours = {id(getattr(m, attr)) for m in members}
+        return all(in_storage[getattr(m, attr).untyped_storage().data_ptr()] <= ours for m in members)
+
     done = []
     for name, module in model.named_modules():
         groups: dict[tuple, list[tuple[str, torch.nn.Linear]]] = defaultdict(list)
@@ -170,15 +179,19 @@ def pack_projections(model: torch.nn.Module) -> list[Packed]:
             if type(child) is not torch.nn.Linear:  # subclasses may read their weight differently
                 continue
             w, b = child.weight, child.bias
-            if not (_plain(w) and w.dim() == 2 and w.is_contiguous() and holders[id(w)] == 1):
+            if not (_plain(w) and w.dim() == 2 and w.numel() and w.is_contiguous() and holders[id(w)] == 1):
                 continue
-            if b is not None and not (_plain(b) and b.is_contiguous() and holders[id(b)] == 1):
+            if b is not None and not (_plain(b) and b.numel() and b.is_contiguous() and holders[id(b)] == 1):
                 continue
             groups[(w.shape[1], w.dtype, w.device, b is None, w.requires_grad)].append((child_name, child))
         for members in groups.values():
             if len(members) < 2:
                 continue
             layers = [m for _, m in members]
+            if not alone(layers, "weight") or (layers[0].bias is not None and not alone(layers, "bias")):
+                log.info("shapewise: pack_projections leaves %s.{%s} alone: a weight shares its storage with a "
+                         "tensor outside them (tied by storage)", name, ", ".join(n for n, _ in members))
+                continue
             if packed_run([m.weight for m in layers]) is not None and (
                     layers[0].bias is None or packed_run([m.bias for m in layers]) is not None):
                 continue
@@ -225,6 +238,30 @@ def _runs(values: list[torch.Tensor]) -> list[list[int]]:
             run = [i]
         runs.append(run)
     return [r for r in runs if len(r) >= 2]
+
+
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod,
+             operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+             operator.imatmul, operator.setitem}
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may change a tensor in place (``x.add_``, ``x += y``, ``x[i] = y``, an op
+    with a mutable argument); a module call, not looked into, counts."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_module":
+        return True
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in _IN_PLACE:
+        return True
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    name = getattr(target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
 
 
 @register_pass
@@ -279,8 +316,15 @@ class FuseProjections(GraphPass):
                 position: dict[torch.fx.Node, int]) -> str | None:
         """Why this group is not fused, or None."""
         first = min(position[m[0]] for m in members)
+        last = max(position[m[0]] for m in members)
         if any(position[a] > first for m in members for a in (m[2], m[3]) if isinstance(a, torch.fx.Node)):
             return "a weight or bias is computed after the first of the layers"
+        # The fused matmul runs where the first layer ran: something changed in place between the
+        # first and the last (the input, a weight, or a tensor either is a view of) would be read
+        # before its change. Any in-place call in between refuses the group.
+        between = [n for n, i in position.items() if first < i < last and _mutates(n)]
+        if between:
+            return f"{between[0].format_node()} changes a tensor in place between the layers"
         xv = node_value(x)
         if not isinstance(xv, torch.Tensor):
             return "its input has no traced value"

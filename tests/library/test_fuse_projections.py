@@ -107,6 +107,25 @@ def test_weights_that_are_not_one_run_are_left_alone(caplog):
     assert sum("not one packed run" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_a_change_in_place_between_the_layers_keeps_them_apart():
+    # Found by review: the fused matmul runs where the first layer ran, so an in-place change of
+    # its input between the layers would be read before it happened.
+    packed = torch.randn(16, 8)
+    wq, wk = packed[:8], packed[8:]
+
+    def f(h):
+        x = h * 1.0
+        q = F.linear(x, wq)
+        x.add_(1.0)
+        return q + F.linear(x, wk)
+
+    out = sw.library.FuseProjections()(sw.Concretize(sizes=[3])(dynamo_graph(f, torch.randn(4, 8))))
+    (variant,) = out.compute_pieces[0].variants
+    assert variant.gm is None or not any(str(n.target).startswith(OP) for n in variant.gm.graph.nodes)
+    h = torch.randn(3, 8)
+    assert_same((variant.gm or out.compute_pieces[0].gm)(h, wq, wk)[0], f(h))
+
+
 def test_max_tokens_gates_by_rows_and_bad_options_are_refused():
     packed = torch.randn(16, 8)
     w1, w2 = packed[:8], packed[8:]
@@ -146,6 +165,16 @@ def test_pack_projections_makes_the_parameters_views_of_one_buffer():
     with torch.no_grad():
         assert torch.equal(model(x).logits, before)
     assert sw.library.pack_projections(model) == []  # packed already
+
+
+def test_weights_tied_by_storage_are_not_packed():
+    # Two Parameter objects over one storage (a tie made with .data): packing would part them.
+    model = decoder("llama")
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    attn.q_proj.weight.data = mlp.gate_proj.weight.data[:32]
+    packed = [str(p) for p in sw.library.pack_projections(model)]
+    assert not any(p.startswith("model.layers.0.") for p in packed), packed
+    assert attn.q_proj.weight.data_ptr() == mlp.gate_proj.weight.data_ptr()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "phi3", "opt"])
