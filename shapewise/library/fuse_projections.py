@@ -6,7 +6,8 @@ weights packed in one buffer, then a split.
 
 **Packing** (``pack_projections(model)``, once per model, before compiling): in every module,
 the ``nn.Linear`` children that could be one matmul (same ``in_features``, dtype, device, bias or
-not, ``requires_grad``; each weight contiguous and held by that module alone) are copied into one
+not, ``requires_grad``; each weight contiguous, held by that module alone and not sharing its
+storage with a tensor outside the group) are copied into one
 ``[sum of out_features, in_features]`` buffer (and their biases into one vector), and each
 parameter's ``.data`` becomes its rows of it. The parameters stay the same ``Parameter`` objects
 (optimizers, hooks and ties keep working); weight memory does not grow (the old storage is freed).
@@ -14,8 +15,10 @@ Llama's attention packs q, k, v and o (o has the same ``in_features``); its MLP,
 
 **The pass.** In: a compute piece's graph. Out: each group of at least two linear layers
 (``patterns.match_linear``) that read the same activation, in an inference graph (no output that
-requires grad), whose weights the trace saw packed and consecutive (one storage, each starting
-where the previous one ends, in some order: q, k, v is a run of the q, k, v, o buffer) becomes
+requires grad), with no in-place call between the first and the last of them (the fused matmul
+runs where the first one ran), whose weights the trace saw packed and consecutive (one storage,
+each starting where the previous one ends, in some order: q, k, v is a run of the q, k, v, o
+buffer) becomes
 
     y = shapewise::linear_group(x, [w_q, w_k, w_v], [b_q, b_k, b_v])   # [..., N_q + N_k + N_v]
     q, k, v = y.split([N_q, N_k, N_v], -1), each .contiguous()          # free at one row
