@@ -15,7 +15,11 @@ layer above handed it in a real step (recorded once):
   graphed    ``GraphedPiece.__call__``: address checks, input copies, replay
   replay     ``CUDAGraph.replay()`` alone
 
-Differences between neighbours are each layer's own time. ``--profile N`` adds a cProfile table
+Differences between neighbours are each layer's own time. Then the parts of the two layers that
+cost the most, each timed alone (idle GPU): the graphed piece's address checks (C++ and ``map``
+of ``data_ptr``), its copy-in (one ``_foreach_copy_`` and a ``copy_`` each) and output clone; and
+the direct call's generated source, run of statements by run of statements
+(``direct_segments.py``). ``--profile N`` adds a cProfile table
 of N whole steps (busy GPU). On the CPU (``--device cpu``, no graphs) the layers down to the
 runner run, as a smoke test.
 
@@ -42,6 +46,7 @@ import shapewise as sw  # noqa: E402
 import shapewise.dispatch.graphed as graphed_mod  # noqa: E402
 import shapewise.dispatch.runnable as runnable_mod  # noqa: E402
 from benchmarks.bench_decode import Step, make_model  # noqa: E402
+from benchmarks.device.direct_segments import segments  # noqa: E402
 
 
 def host_us(fn, rewind, busy: bool, device: str, n: int) -> float:
@@ -61,6 +66,36 @@ def host_us(fn, rewind, busy: bool, device: str, n: int) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     return round(1e6 * statistics.median(samples), 1)
+
+
+def graphed_parts(piece, piece_args, rewind, device: str, n: int) -> list[dict]:
+    """The graphed piece's per-replay work, each part alone."""
+    out = []
+    for name, check in (("fixed", piece._fixed_check), ("kept", piece._kept_check)):
+        if check is None:
+            continue
+        by_input = check._by_input
+        out.append({"part": f"{name} check ({len(check.rows)} inputs, {'C++' if by_input else 'map'})",
+                    "idle_us": host_us(lambda: check.moved(piece_args), rewind, False, device, n)})
+        if by_input is not None:
+            check._by_input = None
+            out.append({"part": f"{name} check ({len(check.rows)} inputs, map)",
+                        "idle_us": host_us(lambda: check.moved(piece_args), rewind, False, device, n)})
+            check._by_input = by_input
+    copy_in = piece._copy_in
+    if copy_in.slots:
+        out.append({"part": f"copy in ({len(copy_in.slots)} tensors, as run)",
+                    "idle_us": host_us(lambda: copy_in(piece_args), rewind, False, device, n)})
+
+        def each():
+            for i, static in copy_in.slots:
+                static.copy_(piece_args[i])
+
+        out.append({"part": f"copy in ({len(copy_in.slots)} tensors, a copy_ each)",
+                    "idle_us": host_us(each, rewind, False, device, n)})
+    out.append({"part": "clone outputs", "idle_us": host_us(lambda: graphed_mod.clone_tensors(piece.outputs), rewind,
+                                                             False, device, n)})
+    return out
 
 
 def record(cls, name: str, seen: dict) -> None:
@@ -123,6 +158,14 @@ def main() -> None:
                 row["busy_us"] = host_us(fn, back, True, device, args.calls)
             rows.append(row)
             print(row, flush=True)
+        parts = []
+        if "graphed" in seen:
+            parts = graphed_parts(piece, piece_args, back, device, args.calls)
+            for row in parts:
+                print(row, flush=True)
+        segs = segments(direct, (), step.kwargs, back, cuts=16, calls=max(args.calls, 500))
+        for row in segs:
+            print(row, flush=True)
         profile = None
         if args.profile:
             prof = cProfile.Profile()
@@ -139,6 +182,7 @@ def main() -> None:
             profile = text.getvalue()
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
               "shape": args.shape, "layers": args.layers, "direct_info": fast.direct_info, "rows": rows,
+              "graphed_parts": parts, "direct_segments": segs,
               "profile": profile}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -1,0 +1,99 @@
+"""Where a direct call's own host time goes, segment by segment of its generated source.
+
+``segments(direct, args, kwargs)`` builds functions of the first k statements of the direct
+call's source (inside its ``try`` block too), each returning before the compiled program runs,
+times each on ``(args, kwargs)``, and gives the cost of each run of statements between two cut
+points: the difference of neighbouring prefixes' medians. The compiled program is not run: the
+call's ``run`` is a stub handing back the outputs of one real call (made first, after
+``rewind()``), so the last row is the call's output rebuild. Used by ``host_breakdown.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import statistics
+import time
+from typing import Any
+
+
+def _statements(fn_def: ast.FunctionDef) -> list[tuple[int, int | None]]:
+    """(top-level index, index inside the try body or None) for each statement, in order."""
+    out = []
+    for i, stmt in enumerate(fn_def.body):
+        if isinstance(stmt, ast.Try):
+            out += [(i, j) for j in range(len(stmt.body))]
+        else:
+            out.append((i, None))
+    return out
+
+
+def _prefix(fn_def: ast.FunctionDef, upto: tuple[int, int | None]) -> ast.FunctionDef:
+    i, j = upto
+    body = [s for s in fn_def.body[:i]]
+    stmt = fn_def.body[i]
+    if j is None:
+        body.append(stmt)
+    else:
+        cut = ast.Try(body=stmt.body[:j + 1], handlers=stmt.handlers, orelse=[], finalbody=[])
+        body.append(cut)
+    body.append(ast.Return(value=ast.Constant(value=None)))
+    return ast.FunctionDef(name="direct", args=fn_def.args, body=body, decorator_list=[], returns=None,
+                           type_params=[], lineno=1, col_offset=0)
+
+
+def segments(direct: Any, args: tuple, kwargs: dict, rewind: Any, cuts: int = 12, calls: int = 2000) -> list[dict]:
+    """Rows of (first statement, last statement, µs) for about ``cuts`` runs of statements."""
+    tree = ast.parse(direct.source)
+    fn_def = tree.body[0]
+    stmts = _statements(fn_def)
+    env = dict(direct.fn.__globals__)
+    real, got = env["run"], {}
+
+    def spy(*a: Any) -> Any:
+        got["out"] = real(*a)
+        return got["out"]
+
+    env["run"] = spy
+    whole = {}
+    exec(compile(tree, "<direct>", "exec"), whole.update(env) or whole)  # noqa: S102 - the call's own source
+    rewind()
+    whole["direct"](args, kwargs)
+    env["run"] = lambda *a: got["out"]
+    whole["run"] = env["run"]
+    step = max(1, len(stmts) // cuts)
+    points = list(range(step - 1, len(stmts) - 1, step))
+    funcs = []
+    for p in points:
+        mod = ast.Module(body=[_prefix(fn_def, stmts[p])], type_ignores=[])
+        ast.fix_missing_locations(mod)
+        scope = dict(env)
+        exec(compile(mod, "<direct prefix>", "exec"), scope)  # noqa: S102 - the call's own source, cut
+        funcs.append(scope["direct"])
+    funcs.append(whole["direct"])
+
+    def median_us(fn) -> float:
+        for _ in range(50):
+            fn(args, kwargs)
+        samples = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            fn(args, kwargs)
+            samples.append(time.perf_counter() - t)
+        return 1e6 * statistics.median(samples)
+
+    times = [median_us(f) for f in funcs]
+    lines = direct.source.splitlines()
+    rows, before, start = [], 0.0, 0
+    for k, (p, t) in enumerate(zip(points + [len(stmts) - 1], times)):
+        first = _line(fn_def, stmts[start])
+        last = _line(fn_def, stmts[p])
+        rows.append({"from": lines[first - 1].strip()[:80], "to": lines[last - 1].strip()[:80],
+                     "statements": p - start + 1, "us": round(t - before, 2)})
+        before, start = t, p + 1
+    return rows
+
+
+def _line(fn_def: ast.FunctionDef, at: tuple[int, int | None]) -> int:
+    i, j = at
+    stmt = fn_def.body[i]
+    return stmt.body[j].lineno if j is not None else stmt.lineno
