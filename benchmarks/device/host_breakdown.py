@@ -16,8 +16,8 @@ layer above handed it in a real step (recorded once):
   replay     ``CUDAGraph.replay()`` alone
 
 Differences between neighbours are each layer's own time. Then the parts of the two layers that
-cost the most, each timed alone (idle GPU): the graphed piece's address checks (C++ and ``map``
-of ``data_ptr``), its copy-in (one ``_foreach_copy_`` and a ``copy_`` each) and output clone; and
+cost the most, each timed alone (idle GPU): the graphed piece's address checks, its copy-in and
+output clone; and
 the direct call's generated source, run of statements by run of statements
 (``direct_segments.py``). ``--profile N`` adds a cProfile table
 of N whole steps (busy GPU). On the CPU (``--device cpu``, no graphs) the layers down to the
@@ -72,27 +72,16 @@ def graphed_parts(piece, piece_args, rewind, device: str, n: int) -> list[dict]:
     """The graphed piece's per-replay work, each part alone."""
     out = []
     for name, check in (("fixed", piece._fixed_check), ("kept", piece._kept_check)):
-        if check is None:
-            continue
-        by_input = check._by_input
-        out.append({"part": f"{name} check ({len(check.rows)} inputs, {'C++' if by_input else 'map'})",
-                    "idle_us": host_us(lambda: check.moved(piece_args), rewind, False, device, n)})
-        if by_input is not None:
-            check._by_input = None
-            out.append({"part": f"{name} check ({len(check.rows)} inputs, map)",
+        if check is not None:
+            out.append({"part": f"{name} address check ({len(check.rows)} inputs)",
                         "idle_us": host_us(lambda: check.moved(piece_args), rewind, False, device, n)})
-            check._by_input = by_input
-    copy_in = piece._copy_in
-    if copy_in.slots:
-        out.append({"part": f"copy in ({len(copy_in.slots)} tensors, as run)",
-                    "idle_us": host_us(lambda: copy_in(piece_args), rewind, False, device, n)})
 
-        def each():
-            for i, static in copy_in.slots:
-                static.copy_(piece_args[i])
+    def copy_in():
+        for i, static in piece.copy_slots:
+            static.copy_(piece_args[i])
 
-        out.append({"part": f"copy in ({len(copy_in.slots)} tensors, a copy_ each)",
-                    "idle_us": host_us(each, rewind, False, device, n)})
+    if piece.copy_slots:
+        out.append({"part": f"copy in ({len(piece.copy_slots)} tensors)", "idle_us": host_us(copy_in, rewind, False, device, n)})
     out.append({"part": "clone outputs", "idle_us": host_us(lambda: graphed_mod.clone_tensors(piece.outputs), rewind,
                                                              False, device, n)})
     return out

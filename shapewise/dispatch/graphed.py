@@ -66,73 +66,29 @@ class StaticBuffer:
 
 class AddressCheck:
     """Whether the inputs a graph reads in place are where its capture found them: (input,
-    address) or (input, address, strides) rows, checked per replay. ``moved(args)``: the first
-    input that is not, or None.
+    address) or (input, address, strides) rows, checked per replay in one pass over C calls
+    (``map`` of ``data_ptr``, ~40 ns a tensor, not a Python loop's ~130: a 1B model's graph reads
+    ~150 parameters in place). ``moved(args)``: the first input that is not, or None."""
 
-    The addresses are compared in one C++ call where the CUDA build has it (the check CUDA-graph
-    trees make per replay, ~10 ns a tensor), else by a ``map`` of ``data_ptr`` (~40-110 ns a
-    tensor, not a Python loop's ~130; a 1B model's graph reads ~150 parameters in place). The
-    C++ call is tried on the capture's own arguments first, with the right and with wrong
-    addresses, and used only if it tells them apart."""
-
-    def __init__(self, rows: Sequence[tuple], args: Sequence[Any] | None = None) -> None:
+    def __init__(self, rows: Sequence[tuple]) -> None:
         self.rows = list(rows)
         idx = [r[0] for r in self.rows]
         get = operator.itemgetter(*idx)
         self._get = get if len(idx) > 1 else (lambda args: (get(args),))
         self._ptrs = tuple(r[1] for r in self.rows)
         self._strides = tuple(r[2] for r in self.rows) if len(self.rows[0]) > 2 else None
-        self._idx = idx
-        self._by_input: list[int | None] | None = None
-        if _PTRS_EQUAL is not None and args is not None:
-            by_input: list[int | None] = [None] * len(args)
-            for r in self.rows:
-                by_input[r[0]] = r[1]
-            wrong = [None if p is None else p + 1 for p in by_input]
-            try:
-                works = _PTRS_EQUAL(list(args), by_input, idx) is True and _PTRS_EQUAL(list(args), wrong, idx) is False
-            except Exception:  # noqa: BLE001 - another signature in this build: the map below
-                works = False
-            if works:
-                self._by_input = by_input
 
     def moved(self, args: tuple) -> int | None:
-        if self._by_input is not None:
-            if _PTRS_EQUAL(list(args), self._by_input, self._idx) and (
-                    self._strides is None or tuple(map(_STRIDE, self._get(args))) == self._strides):
-                return None
-        else:
-            tensors = self._get(args)
-            if tuple(map(_DATA_PTR, tensors)) == self._ptrs and (
-                    self._strides is None or tuple(map(_STRIDE, tensors)) == self._strides):
-                return None
-        for r, a in zip(self.rows, self._get(args)):
+        tensors = self._get(args)
+        if tuple(map(_DATA_PTR, tensors)) == self._ptrs and (
+                self._strides is None or tuple(map(_STRIDE, tensors)) == self._strides):
+            return None
+        for r, a in zip(self.rows, tensors):
             if a.data_ptr() != r[1] or (self._strides is not None and a.stride() != r[2]):
                 return r[0]
         return None
 
 
-class CopyIn:
-    """The caller's tensors copied into a graph's static buffers before a replay: ``slots`` of
-    (input, static tensor), all copied by one ``torch._foreach_copy_`` (one launch for tensors of
-    one dtype, where a ``copy_`` each is a launch and ~5-10 µs of host time each)."""
-
-    def __init__(self, slots: Sequence[tuple[int, torch.Tensor]]) -> None:
-        self.slots = list(slots)
-        self._dst = [static for _, static in self.slots]
-        idx = [i for i, _ in self.slots]
-        get = operator.itemgetter(*idx) if idx else None
-        self._get = get if len(idx) > 1 else (lambda args: [get(args)]) if idx else (lambda args: [])
-
-    def __call__(self, args: Sequence[Any]) -> None:
-        if len(self._dst) == 1:
-            self._dst[0].copy_(self._get(args)[0])
-        elif self._dst:
-            torch._foreach_copy_(self._dst, self._get(args))
-
-
-#: ``(tensors, addresses by input, indices) -> all equal``, in CUDA builds of torch (None elsewhere).
-_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 _DATA_PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
 
 
@@ -165,7 +121,6 @@ class GraphedPiece:
         # Inputs that were the same tensor, at the same address, on the warm-up and capture calls (a
         # KV cache the model keeps, a persistent buffer), marked or not: (input, address, strides).
         self.kept: list[tuple[int, int, tuple[int, ...]]] = []
-        self._copy_in = CopyIn(())  # copy_slots, copied in one launch
         self._fixed_check: AddressCheck | None = None  # fixed_slots and kept, checked in one pass each
         self._kept_check: AddressCheck | None = None
         self.warm_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # the warm-up's tensors (_seen)
@@ -201,7 +156,8 @@ class GraphedPiece:
                 return self.fn(*args)
         if self._kept_check is not None and (i := self._kept_check.moved(args)) is not None:
             return self._kept_moved(args, i)
-        self._copy_in(args)
+        for i, static in self.copy_slots:
+            static.copy_(args[i])
         self.replays += 1
         graph.replay()
         for i, static in self.write_back:
@@ -303,9 +259,8 @@ class GraphedPiece:
                 live.add(address(t))
             self.fixed_slots, self.fixed_inner, self.copy_slots = fixed, inner, copies
             self.write_back, self.adopted, self.kept = write_back, adopted, kept
-            self._copy_in = CopyIn(copies)
-            self._fixed_check = AddressCheck(fixed, args) if fixed else None
-            self._kept_check = AddressCheck(kept, args) if kept else None
+            self._fixed_check = AddressCheck(fixed) if fixed else None
+            self._kept_check = AddressCheck(kept) if kept else None
             self.outputs = outputs
             self.graph, self.replays = graph, 0
             self.pool.retired.clear()
@@ -325,7 +280,6 @@ class GraphedPiece:
         self.fixed_slots, self.fixed_inner, self.copy_slots, self.write_back, self.adopted = [], [], [], [], []
         self.kept = []
         self._fixed_check = self._kept_check = None
-        self._copy_in = CopyIn(())
 
 
 class SizeGraphs:
@@ -389,7 +343,6 @@ class StagedInputs:
         self.buffers = list(buffers)
         self.written = written
         self.slots: list[tuple[int, torch.Tensor]] | None = None
-        self._copy_in = CopyIn(())
         self.first_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] | None = None  # the first call's (_seen)
 
     def __call__(self, *args: Any) -> Any:
@@ -403,9 +356,9 @@ class StagedInputs:
                 return self.run(*args)
             slots = self._decide(args)
         if slots:
-            self._copy_in(args)
             args = list(args)
             for i, static in slots:
+                static.copy_(args[i])
                 args[i] = static
         return self.run(*args)
 
@@ -421,7 +374,7 @@ class StagedInputs:
                 static = buf.view(self.key)
                 live.add(static.data_ptr())  # the pieces read it in place, as an earlier graph's output
                 slots.append((i, static))
-        self.slots, self._copy_in = slots, CopyIn(slots)
+        self.slots = slots
         return slots
 
 

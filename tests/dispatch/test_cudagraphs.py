@@ -132,11 +132,6 @@ def test_moved_parameter_falls_back_instead_of_reading_stale_memory():
     with torch.no_grad():
         graphed(ids)
         graphed(ids)  # captured
-        from shapewise.dispatch import graphed as graphed_mod
-
-        assert graphed_mod._PTRS_EQUAL is not None  # CUDA builds: one C++ call checks the addresses per replay
-        checks = [p._fixed_check for p in graphed.runnable.runtime.graphs.pieces if p._fixed_check is not None]
-        assert checks and all(c._by_input is not None for c in checks)
         model.head.weight = torch.nn.Parameter(model.head.weight.detach() * 2)  # a new tensor
         assert_same(graphed(ids), model(ids))
     assert any(p.fallbacks for p in graphed.runnable.runtime.graphs.pieces)

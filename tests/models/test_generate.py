@@ -99,9 +99,6 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
     assert pieces and all(p.graph is not None for p in pieces)
     assert not any(p.write_back for p in pieces), [len(p.write_back) for p in pieces]
     assert all(t.numel() <= 64 for t in copied), [tuple(t.shape) for t in copied]
-    # ... in one launch per graph: a _foreach_copy_ of tensors of one dtype.
-    assert all(len({t.dtype for t in p._copy_in._dst}) <= 1 for p in pieces), \
-        [[(tuple(t.shape), t.dtype) for t in p._copy_in._dst] for p in pieces]
     assert sum(len(p.kept) for p in pieces) >= 4  # the 2 layers' keys and values
     # Under full graphs compile_generate splits nothing (a split would only stop Inductor fusing
     # across the attention); piecewise graphs are split at SDPA.
