@@ -28,9 +28,11 @@ The decode step is the call ``generate()`` makes: its arguments are recorded fro
   wait), median over steps;
 - GPU µs per step: CUDA events around ``n`` steps issued while the GPU is held busy by a spin
   kernel first (the host far ahead; ``n`` kept under the launch queue's depth), median of rounds;
+- host µs per step with the GPU kept ahead: the time to issue those ``n`` steps, over ``n``
+  (from 2026-12-03; a warm loop, where the first measure times single calls);
 - kernels, device copies (memcpys, and kernels that only copy: ``is_copy_kernel``; before 2026-12-03
   every kernel with "copy" in its name was counted, Inductor's fused RMSNorms with their dtype
-  casts included) and memsets per step, and each kernel name's count per step, from torch.profiler over
+  casts included) and memsets per step, and each kernel name's count and GPU µs per step, from torch.profiler over
   ``--profile-steps`` steps, with the GPU kernel time they add up to;
 - the floor: the weights' bytes (read once per step) over the measured copy bandwidth (a 1 GiB
   device-to-device copy, bytes read plus bytes written), and the fraction of it reached;
@@ -210,9 +212,10 @@ def spin_cycles_per_ms() -> float:
     return 10_000_000 / a.elapsed_time(b)
 
 
-def gpu_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds: int) -> float:
-    """CUDA events around ``n`` steps issued behind a spin long enough for the host to issue all of them."""
-    samples = []
+def gpu_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds: int) -> tuple[float, float]:
+    """CUDA events around ``n`` steps issued behind a spin long enough for the host to issue all of
+    them: (GPU µs per step, host µs per step to issue them with the GPU kept ahead)."""
+    samples, issue = [], []
     n = min(n, step.room)
     for _ in range(rounds):
         step.rewind()
@@ -220,12 +223,14 @@ def gpu_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds
         torch.cuda._sleep(int(cycles_per_ms * (2 + 2 * n * host_step_us / 1e3)))
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = time.perf_counter()
         for _ in range(n):
             step.call()
+        issue.append((time.perf_counter() - t0) * 1e6 / n)
         b.record()
         b.synchronize()
         samples.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(samples)
+    return statistics.median(samples), statistics.median(issue)
 
 
 def profile(step: Step, device: str, steps: int) -> dict[str, Any]:
@@ -245,6 +250,7 @@ def profile(step: Step, device: str, steps: int) -> dict[str, Any]:
     kernels = copies = memsets = fused_copy_names = 0
     kernel_us = 0.0
     names: Counter[str] = Counter()
+    times: Counter[str] = Counter()
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -260,11 +266,14 @@ def profile(step: Step, device: str, steps: int) -> dict[str, Any]:
                 copies += 1
             elif "copy" in name:
                 fused_copy_names += 1
-        kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+        took = e.device_time if hasattr(e, "device_time") else e.cuda_time
+        kernel_us += took
+        times[e.name] += took
     return {"kernels_per_step": kernels / steps, "copies_per_step": copies / steps,
             "fused_kernels_named_copy_per_step": fused_copy_names / steps,
             "memsets_per_step": memsets / steps, "kernel_us_per_step": round(kernel_us / steps, 1),
-            "kernel_names_per_step": {n: round(c / steps, 2) for n, c in names.most_common(60)}}
+            "kernel_names_per_step": {n: round(c / steps, 2) for n, c in names.most_common(60)},
+            "kernel_us_by_name_per_step": {n: round(t / steps, 1) for n, t in times.most_common(60)}}
 
 
 def is_copy_kernel(name: str) -> bool:
@@ -363,7 +372,7 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
             rows[name] = {"contender": name, "error": f"{type(e).__name__}: {e}"[:300]}
     del base
     cycles = spin_cycles_per_ms() if device == "cuda" else 0.0
-    samples: dict[str, dict[str, list[float]]] = {n: {"host": [], "gpu": []} for n in steps}
+    samples: dict[str, dict[str, list[float]]] = {n: {"host": [], "gpu": [], "ahead": []} for n in steps}
     with torch.no_grad():
         for name, step in steps.items():
             rows[name].update(profile(step, device, args.profile_steps))
@@ -374,7 +383,9 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
                 if device == "cuda":
                     per_step = max(rows[name].get("kernels_per_step", 1) + rows[name].get("copies_per_step", 0), 1)
                     n = max(1, min(args.gpu_steps, int(900 // per_step)))
-                    samples[name]["gpu"].append(gpu_us(step, n, h, cycles, 3))
+                    gpu, ahead = gpu_us(step, n, h, cycles, 3)
+                    samples[name]["gpu"].append(gpu)
+                    samples[name]["ahead"].append(ahead)
         for name, step in steps.items():
             if args.host_profile and name != "eager":
                 top, text = host_profile(step, device, args.host_profile)
@@ -387,10 +398,11 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
         row["host_us_per_step"] = round(statistics.median(samples[name]["host"]), 1)
         if samples[name]["gpu"]:
             row["gpu_us_per_step"] = round(statistics.median(samples[name]["gpu"]), 1)
+            row["host_ahead_us_per_step"] = round(statistics.median(samples[name]["ahead"]), 1)
             row["fraction_of_floor"] = round(floor_us / row["gpu_us_per_step"], 3)
         row["generate_decode_tokens_per_s"] = generate_tokens_per_s(models[name], ids, args.new, device,
                                                                     args.generate_repeats)
-        quiet = ("direct_info", "host_profile_top", "kernel_names_per_step")
+        quiet = ("direct_info", "host_profile_top", "kernel_names_per_step", "kernel_us_by_name_per_step")
         print({k: v for k, v in row.items() if k not in quiet}, flush=True)
     return {"model": shape, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "weight_bytes": weight_bytes, "floor_us": round(floor_us, 1),
@@ -409,17 +421,18 @@ def markdown(result: dict[str, Any]) -> str:
     for m in result["models"]:
         lines += [f"## {m['model']}: {m['layers']} layers, hidden {m['hidden']}, weights "
                   f"{m['weight_bytes'] / 1e9:.2f} GB, floor {m['floor_us']} µs", "",
-                  "| contender | host µs/step | GPU µs/step | of the floor | kernels/step | copies/step | "
+                  "| contender | host µs/step | host µs/step, GPU ahead | GPU µs/step | of the floor | kernels/step | copies/step | "
                   "kernel µs/step | generate() tokens/s | traces | fp32 tokens = eager | bf16 logits rel. err. |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
         for r in m["rows"]:
             if "error" in r:
-                lines.append(f"| {r['contender']} | failed: {r['error'][:120]} |" + " |" * 10)
+                lines.append(f"| {r['contender']} | failed: {r['error'][:120]} |" + " |" * 11)
                 continue
             err = r.get("bf16_logits_rel_err_max")
             err = f"{err:.1e}" if isinstance(err, float) else r.get("check_error", "-")
             lines.append(
-                f"| {r['contender']} | {r['host_us_per_step']} | {r.get('gpu_us_per_step', '-')} | "
+                f"| {r['contender']} | {r['host_us_per_step']} | {r.get('host_ahead_us_per_step', '-')} | "
+                f"{r.get('gpu_us_per_step', '-')} | "
                 f"{r.get('fraction_of_floor', '-')} | {r.get('kernels_per_step', '-')} | "
                 f"{r.get('copies_per_step', '-')} | {r.get('kernel_us_per_step', '-')} | "
                 f"{r['generate_decode_tokens_per_s']} | {r.get('traces', '-')} | "

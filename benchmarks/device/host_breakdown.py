@@ -15,7 +15,9 @@ layer above handed it in a real step (recorded once):
   graphed    ``GraphedPiece.__call__``: address checks, input copies, replay
   replay     ``CUDAGraph.replay()`` alone
 
-Differences between neighbours are each layer's own time. Then the parts of the two layers that
+Differences between neighbours are each layer's own time. Then the same layers inside real steps
+issued back to back with the GPU kept ahead (``inclusive``: each layer's call wrapped and its
+time added up; no synchronize before any timed call). Then the parts of the two layers that
 cost the most, each timed alone (idle GPU): the graphed piece's address checks, its copy-in and
 output clone; and
 the direct call's generated source, run of statements by run of statements
@@ -87,6 +89,62 @@ def graphed_parts(piece, piece_args, rewind, device: str, n: int) -> list[dict]:
     return out
 
 
+def inclusive(fast, step, device: str, steps: int, rounds: int) -> list[dict]:
+    """Each layer's time inside real steps, issued back to back with the GPU kept ahead (a spin
+    queued first; ``steps`` per round, under the launch queue's depth): every layer's call wrapped
+    to add up its inclusive time, so a layer's own time is its row less the row below. No single
+    call after a synchronize (the timings above), so no wake-up after the wait in any number."""
+    import shapewise.direct as direct_mod
+    import shapewise.module as module_mod
+
+    totals: dict[str, int] = dict.fromkeys(("loop", "module", "direct calls", "direct", "runnable", "runner",
+                                            "graphed", "replay"), 0)
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[name] += time.perf_counter_ns() - t
+        return wrapper
+
+    patches = [(module_mod.ShapewiseModule, "__call__", "module"), (direct_mod.DirectCalls, "__call__", "direct calls"),
+               (direct_mod.DirectCall, "__call__", "direct"), (runnable_mod.Runnable, "__call__", "runnable"),
+               (graphed_mod.GraphedPiece, "__call__", "graphed")]
+    if device == "cuda":
+        patches.append((torch.cuda.CUDAGraph, "replay", "replay"))
+    runnables = [r for r in fast.runnables if hasattr(r, "_exact")]
+    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in patches]
+    exact = [(r, dict(r._exact)) for r in runnables]
+    try:
+        for cls, attr, name in patches:
+            setattr(cls, attr, timed(name, cls.__dict__[attr]))
+        for r, entries in exact:
+            r._exact = {k: timed("runner", fn) for k, fn in entries.items()}
+        for _ in range(rounds):
+            step.rewind()
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda._sleep(40_000_000)  # ~20 ms of spin: the host stays ahead for every step
+            t = time.perf_counter_ns()
+            for _ in range(steps):
+                step.call()
+            totals["loop"] += time.perf_counter_ns() - t
+            if device == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        for cls, attr, real in saved:
+            setattr(cls, attr, real)
+        for r, entries in exact:
+            r._exact = entries
+    n = steps * rounds
+    names = list(totals)
+    return [{"layer": name, "inclusive_us": round(totals[name] / n / 1e3, 1),
+             "own_us": round((totals[name] - (totals[names[i + 1]] if i + 1 < len(names) else 0)) / n / 1e3, 1)}
+            for i, name in enumerate(names)]
+
+
 def record(cls, name: str, seen: dict) -> None:
     """Wrap ``cls.__call__`` to keep the first call's (self, args) under ``name``."""
     real = cls.__call__
@@ -147,6 +205,9 @@ def main() -> None:
                 row["busy_us"] = host_us(fn, back, True, device, args.calls)
             rows.append(row)
             print(row, flush=True)
+        warm = inclusive(fast, step, device, steps=10, rounds=10)
+        for row in warm:
+            print(row, flush=True)
         parts = []
         if "graphed" in seen:
             parts = graphed_parts(piece, piece_args, back, device, args.calls)
@@ -171,7 +232,7 @@ def main() -> None:
             profile = text.getvalue()
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
               "shape": args.shape, "layers": args.layers, "direct_info": fast.direct_info, "rows": rows,
-              "graphed_parts": parts, "direct_segments": segs,
+              "graphed_parts": parts, "direct_segments": segs, "inclusive": warm,
               "profile": profile}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
