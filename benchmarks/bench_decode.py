@@ -17,7 +17,11 @@ Contenders (each on its own copy of the weights):
   sw_full_split   ``sw_full`` with ``splitting_ops=("sdpa",)``: pieces split at SDPA, so Inductor
                does not fuse across the attention (compile_generate's default before 2026-12-03);
   sw_full_and_piecewise   ``cudagraphs={"mode": "full_and_piecewise"}`` (split at SDPA; decode, one
-               token, is a full graph; prefill piecewise).
+               token, is a full graph; prefill piecewise);
+  sw_full_gemv    ``sw_full`` with ``graph_passes=[DecodeGemv()]``: at decode every linear, the
+               fused groups too (``gemv_group``), in shapewise's Triton GEMV, not cuBLAS;
+  sw_full_combo   ``sw_full`` with Inductor's ``combo_kernels`` for the static variants:
+               independent small kernels (a layer's rotary, cache writes, counter) in one launch.
 
 The decode step is the call ``generate()`` makes: its arguments are recorded from
 ``prepare_inputs_for_generation`` at the last decode step of a warm-up generation (input_ids
@@ -66,7 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shapewise as sw  # noqa: E402
 from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
-CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_nofuse", "sw_full_split", "sw_full_and_piecewise")
+CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_nofuse", "sw_full_split", "sw_full_and_piecewise",
+              "sw_full_gemv", "sw_full_combo")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -91,10 +96,14 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
         model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
         return None
     graphs = {"sw_full": "full", "sw_full_and_piecewise": {"mode": "full_and_piecewise"},
-              "sw_full_split": "full", "sw_full_nofuse": "full"}[name]
+              "sw_full_split": "full", "sw_full_nofuse": "full", "sw_full_gemv": "full", "sw_full_combo": "full"}[name]
     split = {"splitting_ops": ("sdpa",)} if name == "sw_full_split" else {}
     if name == "sw_full_nofuse":
         split["fuse_projections"] = False
+    if name == "sw_full_gemv":  # every linear at decode in the Triton GEMV, the fused groups too
+        split["graph_passes"] = [sw.library.DecodeGemv()]
+    if name == "sw_full_combo":  # Inductor's combo kernels: independent small kernels in one launch
+        split["static_options"] = {"combo_kernels": True}
     return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
                                backend="inductor", cudagraphs=graphs if device == "cuda" else False,
                                progress=False, **split)
@@ -421,8 +430,9 @@ def markdown(result: dict[str, Any]) -> str:
     for m in result["models"]:
         lines += [f"## {m['model']}: {m['layers']} layers, hidden {m['hidden']}, weights "
                   f"{m['weight_bytes'] / 1e9:.2f} GB, floor {m['floor_us']} µs", "",
-                  "| contender | host µs/step | host µs/step, GPU ahead | GPU µs/step | of the floor | kernels/step | copies/step | "
-                  "kernel µs/step | generate() tokens/s | traces | fp32 tokens = eager | bf16 logits rel. err. |",
+                  "| contender | host µs/step | host µs/step, GPU ahead | GPU µs/step | of the floor | kernels/step | "
+                  "copies/step | kernel µs/step | generate() tokens/s | traces | fp32 tokens = eager | "
+                  "bf16 logits rel. err. |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
         for r in m["rows"]:
             if "error" in r:

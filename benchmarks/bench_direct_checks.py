@@ -117,7 +117,8 @@ def main() -> int:
     hw = f"{cpu_name()} ({os.cpu_count()} CPU cores)"
     result = {"hardware": hw, "torch": torch.__version__, "transformers": transformers.__version__,
               "python": platform.python_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "layers": args.layers, "rounds": args.rounds, "calls": args.calls, "rows": rows, "samples_us": samples, "cold_samples_us": cold}
+              "layers": args.layers, "rounds": args.rounds, "calls": args.calls, "rows": rows, "samples_us": samples,
+              "cold_samples_us": cold}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "direct_checks.json").write_text(json.dumps(result, indent=1))
     lines = [f"# A decode step's direct call, the program stubbed ({args.layers} layers)", "",

@@ -84,7 +84,7 @@ def segments(direct: Any, args: tuple, kwargs: dict, rewind: Any, cuts: int = 12
     times = [median_us(f) for f in funcs]
     lines = direct.source.splitlines()
     rows, before, start = [], 0.0, 0
-    for k, (p, t) in enumerate(zip(points + [len(stmts) - 1], times)):
+    for p, t in zip(points + [len(stmts) - 1], times):
         first = _line(fn_def, stmts[start])
         last = _line(fn_def, stmts[p])
         rows.append({"from": lines[first - 1].strip()[:80], "to": lines[last - 1].strip()[:80],

@@ -83,7 +83,8 @@ def graphed_parts(piece, piece_args, rewind, device: str, n: int) -> list[dict]:
             static.copy_(piece_args[i])
 
     if piece.copy_slots:
-        out.append({"part": f"copy in ({len(piece.copy_slots)} tensors)", "idle_us": host_us(copy_in, rewind, False, device, n)})
+        out.append({"part": f"copy in ({len(piece.copy_slots)} tensors)",
+                    "idle_us": host_us(copy_in, rewind, False, device, n)})
     out.append({"part": "clone outputs", "idle_us": host_us(lambda: graphed_mod.clone_tensors(piece.outputs), rewind,
                                                              False, device, n)})
     return out

@@ -14,6 +14,12 @@ cannot fuse through) replaced by a call of the ``shapewise::gemv`` custom op
 elsewhere); ``PassResult.modified`` says whether any was. Range variants and larger sizes keep
 cuBLAS. Importing this module registers the op.
 
+A ``shapewise::linear_group`` (``FuseProjections``: q, k, v in one matmul over their packed
+weights) that fits the same way becomes ``shapewise::gemv_group``: the kernel over the packed
+``[sum N_i, K]`` view (or, where a weight was replaced and the run is broken, over their
+concatenation, as ``linear_group`` does). Run DecodeGemv after FuseProjections
+(``compile_generate`` puts FuseProjections first).
+
 As it rewrites, the pass tunes the kernel for each (rows, N, K, dtype, bias) it put in (on a CUDA
 device with Triton, outside fake-tensor tracing and CUDA graph capture; ``kernels.gemv.tune``,
 results in memory and under ``<shapewise cache>/gemv-tuning/``, shared by tensor-parallel ranks).
@@ -33,8 +39,11 @@ import torch.fx
 from shapewise._compat import fake_mode_active, node_value
 from shapewise.errors import ConfigError
 
-# importing the kernel registers shapewise::gemv
-from shapewise.library.kernels.gemv import MAX_ROWS, triton_gemv_available, tune
+# importing these registers shapewise::gemv and shapewise::linear_group
+from shapewise.library.fuse_projections import _backward as _group_backward
+from shapewise.library.fuse_projections import _joined
+from shapewise.library.fuse_projections import _setup_context as _group_setup
+from shapewise.library.kernels.gemv import MAX_ROWS, gemv, triton_gemv_available, tune
 from shapewise.library.patterns import match_linear
 from shapewise.passes.base import register_pass
 from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
@@ -67,13 +76,30 @@ def _names(values: Any, what: str, name_of: Callable[[Any], str]) -> tuple[str, 
                           f"{'cuda or cpu' if what == 'devices' else 'bfloat16 or float16'} (or torch objects)") from e
 
 
+@torch.library.custom_op("shapewise::gemv_group", mutates_args=())
+def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """``shapewise::linear_group(x, weights, biases)`` through ``shapewise::gemv``: one kernel over
+    the packed weights."""
+    w = _joined(weights, "weights")
+    b = _joined(biases, "biases") if biases else None
+    return gemv(x, w, b)
+
+
+@gemv_group.register_fake
+def _(x, weights, biases):
+    return torch.ops.shapewise.linear_group.default(x, weights, biases)
+
+
+gemv_group.register_autograd(_group_backward, setup_context=_group_setup)
+
+
 @register_pass
 @dataclass(frozen=True)
 class DecodeGemv(GraphPass):
     """Linear layers with at most ``max_tokens`` rows at a static size -> ``shapewise::gemv``."""
 
     name: ClassVar[str] = "decode_gemv"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2  # 2: linear_group -> gemv_group
     max_tokens: int = 16
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
@@ -93,8 +119,15 @@ class DecodeGemv(GraphPass):
         if not isinstance(sizes, VariantSizes):
             sizes = VariantSizes(sizes)
         op = torch.ops.shapewise.gemv.default
+        group, grouped = torch.ops.shapewise.linear_group.default, torch.ops.shapewise.gemv_group.default
         shapes = []
         for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target is group:
+                shape = self._fits_group(node, sizes)
+                if shape is not None:
+                    shapes.append(shape)
+                    node.target = grouped
+                continue
             found = match_linear(node)
             if found is None:
                 continue
@@ -132,6 +165,23 @@ class DecodeGemv(GraphPass):
         if not 1 <= rows <= self.max_tokens:
             return None
         return rows, sizes.evaluate(wv.shape[0]), shape[-1], xv.dtype, bias is not None, xv.device
+
+
+    def _fits_group(self, node: torch.fx.Node, sizes: VariantSizes) -> tuple | None:
+        """``_fits`` for a ``linear_group(x, weights, biases)``: the packed ``[sum N_i, K]`` weight."""
+        x, weights, biases = node.args
+        values = [node_value(w) if isinstance(w, torch.fx.Node) else None for w in weights]
+        if not values or not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in values):
+            return None
+        first = values[0]
+        if any(v.dtype != first.dtype or v.shape[1] != first.shape[1] for v in values):
+            return None
+        rows = sum(sizes.evaluate(v.shape[0]) for v in values)
+        packed = torch.empty((rows, sizes.evaluate(first.shape[1])), dtype=first.dtype, device="meta")
+        fake = torch.fx.Graph()  # _fits reads node values: a stand-in node holding the packed weight
+        weight = fake.placeholder("w")
+        weight.meta["val"] = packed
+        return self._fits(node, x, weight, biases or None, sizes)
 
 
 def _tune_ahead(shapes: list[tuple]) -> None:

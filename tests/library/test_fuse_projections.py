@@ -196,6 +196,32 @@ def test_zoo_decoders_fused_give_eager_answers(name):
     assert fused_groups(fast) == expected * 2 * 3, fused_groups(fast)
 
 
+def _count(fast, target: str) -> int:
+    return sum(str(n.target).startswith(target) for r in fast.runnables for p in r.program.compute_pieces
+               for v in p.variants for n in (v.gm if v.gm is not None else p.gm).graph.nodes)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_decode_gemv_after_fusion_takes_the_fused_groups_at_few_rows(name):
+    # DecodeGemv after FuseProjections: a linear_group at <= max_tokens rows becomes gemv_group (the
+    # kernel over the packed weights; on the CPU the op is F.linear), the rest of the linears gemv;
+    # the range variant keeps linear_group. Same answers as eager, biases (qwen2) and all.
+    model, reference = decoder(name), decoder(name)
+    sw.library.pack_projections(model)
+    gemv = sw.library.DecodeGemv(max_tokens=4, devices=("cpu",), dtypes=("float32",))
+    fast = sw.compile(model, dynamic_dims={"input_ids": 1}, sizes=[1, 8], ranges=[(2, 7)], backend="aot_eager",
+                      graph_passes=[sw.library.FuseProjections(), gemv])
+    with torch.no_grad():
+        for n in (1, 8, 3):
+            ids = torch.randint(0, VOCAB, (1, n))
+            assert_same(fast(input_ids=ids, use_cache=False).logits,
+                        reference(input_ids=ids, use_cache=False).logits, f"{name} seq={n}")
+    # 2 groups per layer, 2 layers: at seq=1 in gemv_group; at 8 (over max_tokens) and the range, linear_group
+    assert _count(fast, "shapewise.gemv_group") == 4, _count(fast, "shapewise.gemv_group")
+    assert _count(fast, "shapewise.linear_group") == 8, _count(fast, "shapewise.linear_group")
+    assert _count(fast, "shapewise.gemv.") > 0  # o_proj, down_proj, lm_head at seq=1
+
+
 def test_a_new_parameter_is_still_right_and_packing_again_reads_in_place(caplog):
     # direct_call=False: a direct call holds the parameters the trace read (shapewise.direct), so
     # it would not see a replaced Parameter at all; through Dynamo's frame each call reads them.
@@ -260,14 +286,16 @@ def test_a_graph_that_computes_gradients_is_not_fused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_bf16_decode_in_full_cuda_graphs_against_fp32(name):
+@pytest.mark.parametrize("name, gemv", [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True)])
+def test_bf16_decode_in_full_cuda_graphs_against_fp32(name, gemv):
     # Inductor and full CUDA graphs on the GPU: bf16 logits against an fp32 eager reference, within
-    # what bf16 itself costs (the unfused bf16 eager model's error, with margin).
+    # what bf16 itself costs (the unfused bf16 eager model's error, with margin); with DecodeGemv
+    # after the fusion too (the fused groups in the Triton GEMV: gemv_group).
     reference = decoder(name).cuda()
     eager16 = decoder(name, torch.bfloat16).cuda()
     model = decoder(name, torch.bfloat16).cuda()
-    fast = sw.compile_generate(model, prompt_sizes=[8], max_length=40, static_cache=True, cudagraphs="full")
+    passes = {"graph_passes": [sw.library.DecodeGemv()]} if gemv else {}
+    fast = sw.compile_generate(model, prompt_sizes=[8], max_length=40, static_cache=True, cudagraphs="full", **passes)
     ids = torch.randint(0, VOCAB, (1, 8), device="cuda")
     run = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True,
                output_logits=True, cache_implementation="static")
@@ -277,6 +305,7 @@ def test_bf16_decode_in_full_cuda_graphs_against_fp32(name):
         for _ in range(2):  # the second generate replays the captured graphs
             got = model.generate(ids, **run)
     assert fused_groups(fast) > 0
+    assert (_count(fast, "shapewise.gemv_group") > 0) == gemv
     n = min(len(got.logits), len(bf16.logits))
     for step in range(n):
         if not torch.equal(got.sequences[:, :8 + step], want.sequences[:, :8 + step]):
