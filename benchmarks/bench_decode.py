@@ -32,8 +32,10 @@ The decode step is the call ``generate()`` makes: its arguments are recorded fro
   wait), median over steps;
 - GPU µs per step: CUDA events around ``n`` steps issued while the GPU is held busy by a spin
   kernel first (the host far ahead; ``n`` kept under the launch queue's depth), median of rounds;
-- host µs per step with the GPU kept ahead: the time to issue those ``n`` steps, over ``n``
-  (from 2026-12-03; a warm loop, where the first measure times single calls);
+- host µs per step with the GPU kept ahead: the time to issue 20 steps back to back behind a spin
+  (``n`` for eager, whose kernels are launched one by one), over their number, median of rounds
+  (from 2026-12-03: the steady state, where the first measure times single calls, each after a
+  synchronize);
 - kernels, device copies (memcpys, and kernels that only copy: ``is_copy_kernel``; before 2026-12-03
   every kernel with "copy" in its name was counted, Inductor's fused RMSNorms with their dtype
   casts included) and memsets per step, and each kernel name's count and GPU µs per step, from torch.profiler over
@@ -221,10 +223,9 @@ def spin_cycles_per_ms() -> float:
     return 10_000_000 / a.elapsed_time(b)
 
 
-def gpu_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds: int) -> tuple[float, float]:
-    """CUDA events around ``n`` steps issued behind a spin long enough for the host to issue all of
-    them: (GPU µs per step, host µs per step to issue them with the GPU kept ahead)."""
-    samples, issue = [], []
+def gpu_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds: int) -> float:
+    """CUDA events around ``n`` steps issued behind a spin long enough for the host to issue all of them."""
+    samples = []
     n = min(n, step.room)
     for _ in range(rounds):
         step.rewind()
@@ -232,14 +233,29 @@ def gpu_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds
         torch.cuda._sleep(int(cycles_per_ms * (2 + 2 * n * host_step_us / 1e3)))
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        t0 = time.perf_counter()
         for _ in range(n):
             step.call()
-        issue.append((time.perf_counter() - t0) * 1e6 / n)
         b.record()
         b.synchronize()
         samples.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(samples), statistics.median(issue)
+    return statistics.median(samples)
+
+
+def host_ahead_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds: int) -> float:
+    """Host µs per step to issue ``n`` steps back to back while the GPU is kept ahead (a spin
+    queued first, long enough for all of them): the steady state, no call right after a wait."""
+    samples = []
+    n = min(n, step.room)
+    for _ in range(rounds):
+        step.rewind()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(cycles_per_ms * (2 + 3 * n * host_step_us / 1e3)))
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step.call()
+        samples.append((time.perf_counter() - t0) * 1e6 / n)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def profile(step: Step, device: str, steps: int) -> dict[str, Any]:
@@ -392,9 +408,11 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
                 if device == "cuda":
                     per_step = max(rows[name].get("kernels_per_step", 1) + rows[name].get("copies_per_step", 0), 1)
                     n = max(1, min(args.gpu_steps, int(900 // per_step)))
-                    gpu, ahead = gpu_us(step, n, h, cycles, 3)
-                    samples[name]["gpu"].append(gpu)
-                    samples[name]["ahead"].append(ahead)
+                    samples[name]["gpu"].append(gpu_us(step, n, h, cycles, 3))
+                    # A step that replays CUDA graphs queues a graph launch and a few copies, not its
+                    # kernels one by one: 20 of them stay under the launch queue's depth.
+                    ahead = 20 if name != "eager" else n
+                    samples[name]["ahead"].append(host_ahead_us(step, ahead, h, cycles, 3))
         for name, step in steps.items():
             if args.host_profile and name != "eager":
                 top, text = host_profile(step, device, args.host_profile)
