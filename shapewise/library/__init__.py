@@ -4,7 +4,9 @@ In: nothing until a name is used. ``sw.library.DecodeGemv`` (``decode_gemv.py``:
 decode sizes -> the ``shapewise::gemv`` op of ``kernels/gemv.py``) and ``sw.library.OverlapAllReduce``
 (``overlap.py``: all-reduces overlapped with compute in row slices) and ``sw.library.FuseProjections``
 with ``sw.library.pack_projections`` (``fuse_projections.py``: linear layers reading one activation ->
-one matmul over their packed weights, the ``shapewise::linear_group`` op) are imported on first use, so
+one matmul over their packed weights, the ``shapewise::linear_group`` op) and
+``sw.library.GroupedDecodeAttention`` (``grouped_decode.py``: one query token's grouped-query attention
+over the unrepeated keys and values) are imported on first use, so
 ``import shapewise`` registers no custom op. Out: ``GraphPass``es, registered by name, to hand to
 ``sw.compile(graph_passes=[...])``, ``sw.Rewrite`` or a ``Pipeline``.
 
@@ -19,10 +21,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DecodeGemv", "FuseProjections", "OverlapAllReduce", "pack_projections"]
+__all__ = ["DecodeGemv", "FuseProjections", "GroupedDecodeAttention", "OverlapAllReduce", "pack_projections"]
 
 _WHERE = {"DecodeGemv": "shapewise.library.decode_gemv", "OverlapAllReduce": "shapewise.library.overlap",
           "FuseProjections": "shapewise.library.fuse_projections",
+          "GroupedDecodeAttention": "shapewise.library.grouped_decode",
           "pack_projections": "shapewise.library.fuse_projections"}
 
 
