@@ -8,8 +8,9 @@ for 32 query heads) repeats its keys and values to the query heads before SDPA, 
 .reshape(B, Hkv * n, S, D)``). Compiled, that is a copy of the whole KV cache, n times over, at
 every decode step: it grows with the context and is read again by the attention.
 
-In: a compute piece's graph at a static variant's sizes. Out: where SDPA's query has one token
-(``L == 1`` at these sizes), its keys and values are such repeats of ``[B, Hkv, S, D]`` tensors,
+In: a compute piece's graph at a variant's sizes. Out: where SDPA's query has one token and its
+sizes are fixed (``[B, H, 1, D]`` at these sizes; the keys' length ``S`` may be a range, as a dynamic
+cache's is), its keys and values are such repeats of ``[B, Hkv, S, D]`` tensors,
 its mask (if any) is the same for every head and query row (``[B, 1, 1, S]``), no dropout, not
 causal: the query ``[B, Hkv * n, 1, D]`` is viewed as ``[B, Hkv, n, D]`` (the n query heads that
 share a key/value head as n query rows of it), SDPA runs on the unrepeated keys and values, and
@@ -65,10 +66,12 @@ def _repeated(node: Any, sizes: VariantSizes) -> tuple[torch.fx.Node, int] | Non
     if not isinstance(source, torch.fx.Node):
         return None
     shapes = [sizes.shape(n) for n in (source, expand, node)]  # at these sizes (the traced ones are symbolic)
-    if any(sh is None or any(d is None for d in sh) for sh in shapes) or len(shapes[0]) != 4 or len(shapes[1]) != 5:
+    if any(sh is None for sh in shapes) or len(shapes[0]) != 4 or len(shapes[1]) != 5:
         return None
     (b, h, s, d), grown, out = shapes
     n = grown[2]
+    if None in (b, h, n, d):  # only the keys' length may be a range (a dynamic cache's)
+        return None
     if tuple(grown) != (b, h, n, s, d) or tuple(out) != (b, h * n, s, d):
         return None
     return source, n
@@ -81,9 +84,6 @@ class GroupedDecodeAttention(GraphPass):
 
     name: ClassVar[str] = "grouped_decode_attention"
     version: ClassVar[int] = 1
-
-    def applies(self, sizes: Sizes) -> bool:
-        return all(isinstance(v, int) for v in sizes.values())
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult:
         if not isinstance(sizes, VariantSizes):

@@ -85,6 +85,28 @@ def test_transformers_decoders_decode_on_the_unrepeated_cache(name):
     assert not any(n.target == "expand" for n in nodes), "a repeat of the cache is left in the decode graph"
 
 
+def test_a_dynamic_cache_decode_with_padding_is_rewritten_over_its_range_of_lengths():
+    # The default cache: decode is a range variant over the cache's length; the query's sizes are
+    # fixed, so its attention is rewritten there too. Left padding: a mask per sequence, shared by
+    # the heads. The prefill (six query tokens) keeps its repeats.
+    model, reference = decoder("llama"), decoder("llama")
+    fast = sw.compile_generate(model, prompt_sizes=[6], max_length=32, backend="aot_eager", splitting_ops=(),
+                               graph_passes=[sw.library.GroupedDecodeAttention()])
+    ids, mask = torch.randint(0, VOCAB, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    run = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6, return_dict_in_generate=True, output_logits=True,
+               attention_mask=mask)
+    with torch.no_grad():
+        got, want = model.generate(ids, **run), reference.generate(ids, **run)
+    assert torch.equal(got.sequences, want.sequences)
+    assert_same(got.logits, want.logits, "logits per step")
+    prefill, decode = ([n for p in r.program.compute_pieces for var in p.variants for n in (var.gm or p.gm).graph.nodes]
+                       for r in fast.runnables)
+    repeats = model.config.num_hidden_layers * 2  # keys and values
+    assert sum(n.target == "expand" for n in prefill) >= repeats
+    assert sum(n.target == "expand" for n in decode) <= sum(n.target == "expand" for n in prefill) - repeats
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_bf16_decode_in_full_cuda_graphs_on_the_unrepeated_cache_against_fp32(name):
