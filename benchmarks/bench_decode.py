@@ -23,7 +23,8 @@ Contenders (each on its own copy of the weights):
   sw_full_combo   ``sw_full`` with Inductor's ``combo_kernels`` for the static variants:
                independent small kernels (a layer's rotary, cache writes, counter) in one launch;
   sw_full_gqa     ``sw_full`` with ``graph_passes=[GroupedDecodeAttention()]``: the decode step's
-               attention reads the cache's 8 KV heads, not 32 repeated copies of them.
+               attention reads the cache's 8 KV heads, not 32 repeated copies of them;
+  sw_full_combo_gqa  both.
 
 The decode step is the call ``generate()`` makes: its arguments are recorded from
 ``prepare_inputs_for_generation`` at the last decode step of a warm-up generation (input_ids
@@ -75,7 +76,7 @@ import shapewise as sw  # noqa: E402
 from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_nofuse", "sw_full_split", "sw_full_and_piecewise",
-              "sw_full_gemv", "sw_full_combo", "sw_full_gqa")
+              "sw_full_gemv", "sw_full_combo", "sw_full_gqa", "sw_full_combo_gqa")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -101,15 +102,15 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
         return None
     graphs = {"sw_full": "full", "sw_full_and_piecewise": {"mode": "full_and_piecewise"},
               "sw_full_split": "full", "sw_full_nofuse": "full", "sw_full_gemv": "full", "sw_full_combo": "full",
-              "sw_full_gqa": "full"}[name]
+              "sw_full_gqa": "full", "sw_full_combo_gqa": "full"}[name]
     split = {"splitting_ops": ("sdpa",)} if name == "sw_full_split" else {}
     if name == "sw_full_nofuse":
         split["fuse_projections"] = False
     if name == "sw_full_gemv":  # every linear at decode in the Triton GEMV, the fused groups too
         split["graph_passes"] = [sw.library.DecodeGemv()]
-    if name == "sw_full_combo":  # Inductor's combo kernels: independent small kernels in one launch
-        split["static_options"] = {"combo_kernels": True}
-    if name == "sw_full_gqa":  # the decode attention over the cache's KV heads, not their repeats
+    if name in ("sw_full_combo", "sw_full_combo_gqa"):  # Inductor's combo kernels: independent small kernels
+        split["static_options"] = {"combo_kernels": True}                # in one launch
+    if name in ("sw_full_gqa", "sw_full_combo_gqa"):  # the decode attention over the cache's KV heads
         split["graph_passes"] = [sw.library.GroupedDecodeAttention()]
     return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
                                backend="inductor", cudagraphs=graphs if device == "cuda" else False,
