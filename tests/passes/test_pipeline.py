@@ -42,6 +42,7 @@ EXAMPLES = {
     "decode_gemv": [sw.library.DecodeGemv(max_tokens=8, devices=("cpu", "cuda"), dtypes=("float32",))],
     "overlap_all_reduce": [sw.library.OverlapAllReduce(chunks=2, min_tokens=64, align=16, min_slice=16)],
     "fuse_projections": [sw.library.FuseProjections(max_tokens=16)],
+    "grouped_decode_attention": [sw.library.GroupedDecodeAttention()],
 }
 
 
