@@ -12,6 +12,7 @@ limit, so one model cannot stop the sweep). ``--out DIR`` writes ``sweep.jsonl``
     python benchmarks/sweep_architectures.py --out benchmarks/results/sweep_cpu           # all
     python benchmarks/sweep_architectures.py llama mistral qwen3_next                     # some
     python benchmarks/sweep_architectures.py --parts generate --fuse-projections           # FuseProjections on
+    python benchmarks/sweep_architectures.py --parts generate --grouped-decode             # GroupedDecodeAttention on
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
                 return row
             eager_model = copy.deepcopy(model)  # noqa: F841 - keeps the weights if compile_generate mutates
             extra = {"fuse_projections": True} if os.environ.get("SWEEP_FUSE_PROJECTIONS") == "1" else {}
+            if os.environ.get("SWEEP_GROUPED_DECODE") == "1":  # unsplit, so the pass sees the attention
+                extra.update(graph_passes=[sw.library.GroupedDecodeAttention()], splitting_ops=())
             fast = sw.compile_generate(model, prompt_sizes=[PROMPT], max_length=MAX_LENGTH, backend="aot_eager",
                                        **extra)
             bad = []
@@ -275,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parts", default="forward,generate")
     ap.add_argument("--fuse-projections", action="store_true",
                     help="compile_generate(fuse_projections=True): its default is off without CUDA graphs")
+    ap.add_argument("--grouped-decode", action="store_true",
+                    help="compile_generate(graph_passes=[GroupedDecodeAttention()], splitting_ops=())")
     ap.add_argument("--update", action="store_true",
                     help="with --out: replace only the rows of the architectures run, keep the others")
     args = ap.parse_args(argv)
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     parts = tuple(args.parts.split(","))
     if args.fuse_projections:
         os.environ["SWEEP_FUSE_PROJECTIONS"] = "1"  # read by each architecture's child process
+    if args.grouped_decode:
+        os.environ["SWEEP_GROUPED_DECODE"] = "1"
     import transformers
 
     print(f"# {len(archs)} architectures, transformers {transformers.__version__}", flush=True)

@@ -6,8 +6,8 @@ set -u
 export PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/library >"$OUT/gpu_library.txt" 2>&1
+timeout "${TEST_LIMIT:-180}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/library >"$OUT/gpu_library.txt" 2>&1
 echo "tests rc=$?"; tail -3 "$OUT/gpu_library.txt"; grep -E "^FAILED|^ERROR" "$OUT/gpu_library.txt" | head
-timeout "${BENCH_LIMIT:-330}" python3 benchmarks/bench_decode.py --models 1b \
+timeout "${BENCH_LIMIT:-360}" python3 benchmarks/bench_decode.py --models 1b \
   --contenders "${CONTENDERS:-sw_full,sw_full_combo,sw_full_gqa,sw_full_combo_gqa}" --rounds 3 --generate-repeats 5 \
   --check-layers 2 --out "$OUT" 2>&1 | grep -v "Warn\|warn\|skipping" | tail -12
