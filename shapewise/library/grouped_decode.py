@@ -133,7 +133,8 @@ class GroupedDecodeAttention(GraphPass):
             ms = sizes.shape(mask) if isinstance(mask, torch.fx.Node) else None
             if ms is None or len(ms) != 4 or ms[1] != 1 or ms[2] != 1:
                 return None  # a mask per head or per query row: the grouped rows would need their own
-        return q, k[0], v[0], mask, bound.get("scale"), (b, groups, k[1], dim), (b, heads, 1, dim)
+        value_dim = sizes.shape(v[0])[3]  # the output's head dim is the values' (MLA's differs from the query's)
+        return q, k[0], v[0], mask, bound.get("scale"), (b, groups, k[1], dim), (b, heads, 1, value_dim)
 
     def _rewrite(self, gm: torch.fx.GraphModule, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.Node,
                  v: torch.fx.Node, mask: Any, scale: Any, grouped: tuple[int, ...], back: tuple[int, ...]) -> None:

@@ -53,6 +53,18 @@ def test_one_query_token_attends_the_unrepeated_keys_with_the_same_answers(mask)
     assert sorted(graphs.values()) == [0, 2], graphs
 
 
+def test_values_with_their_own_head_dim():
+    # MLA-style attention: the values' head dim (12) is not the query's and keys' (16).
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 12)
+    fast = sw.compile(attend, dynamic_dims={"k": 2, "v": 2}, sizes=[6], backend="aot_eager",
+                      graph_passes=[sw.library.GroupedDecodeAttention()], direct_call=False, cache=False)
+    assert_same(fast(q, k, v, None), attend(q, k, v, None), "value head dim 12")
+    (piece,) = fast.runnable.program.compute_pieces
+    (variant,) = piece.variants
+    assert variant.gm is not None and not any(n.target == "expand" for n in variant.gm.graph.nodes)
+
+
 def test_a_mask_per_head_or_more_query_tokens_are_left_alone():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
