@@ -163,6 +163,8 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
             extra = {"fuse_projections": True} if os.environ.get("SWEEP_FUSE_PROJECTIONS") == "1" else {}
             if os.environ.get("SWEEP_GROUPED_DECODE") == "1":  # unsplit, so the pass sees the attention
                 extra.update(graph_passes=[sw.library.GroupedDecodeAttention()], splitting_ops=())
+            if os.environ.get("SWEEP_STATIC_CACHE") == "1":
+                extra["static_cache"] = True
             fast = sw.compile_generate(model, prompt_sizes=[PROMPT], max_length=MAX_LENGTH, backend="aot_eager",
                                        **extra)
             bad = []
@@ -173,6 +175,10 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
                     bad.append(p.shape[1])
             row["generate"] = "wrong" if bad else "ok"
             row["traces"] = fast.traces
+            if os.environ.get("SWEEP_GROUPED_DECODE") == "1":  # attentions the pass rewrote, over every variant
+                row["grouped_decode_rewrites"] = sum(
+                    n.meta.get("shapewise_rewrite") == "grouped_decode_attention" for r in fast.runnables
+                    for p in r.program.compute_pieces for v in p.variants if v.gm is not None for n in v.gm.graph.nodes)
             row["direct"] = fast.direct_info
             if bad:
                 row["error"] = row["error"] or "tokens or logits differ from eager generate()"
@@ -280,6 +286,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="compile_generate(fuse_projections=True): its default is off without CUDA graphs")
     ap.add_argument("--grouped-decode", action="store_true",
                     help="compile_generate(graph_passes=[GroupedDecodeAttention()], splitting_ops=())")
+    ap.add_argument("--static-cache", action="store_true", help="compile_generate(static_cache=True)")
     ap.add_argument("--update", action="store_true",
                     help="with --out: replace only the rows of the architectures run, keep the others")
     args = ap.parse_args(argv)
@@ -289,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["SWEEP_FUSE_PROJECTIONS"] = "1"  # read by each architecture's child process
     if args.grouped_decode:
         os.environ["SWEEP_GROUPED_DECODE"] = "1"
+    if args.static_cache:
+        os.environ["SWEEP_STATIC_CACHE"] = "1"
     import transformers
 
     print(f"# {len(archs)} architectures, transformers {transformers.__version__}", flush=True)
@@ -302,7 +311,9 @@ def main(argv: list[str] | None = None) -> None:
             row["commit"] = commit
             rows.append(row)
             print(f"{row['arch']:<28} forward={row['forward']:<11} generate={row['generate']:<11} "
-                  f"traces={row.get('traces')!s:<4} {row['seconds']:>6.1f}s  {row.get('error') or ''}", flush=True)
+                  f"traces={row.get('traces')!s:<4} {row['seconds']:>6.1f}s  {row.get('error') or ''}"
+                  + (f" rewrites={row['grouped_decode_rewrites']}" if "grouped_decode_rewrites" in row else ""),
+                  flush=True)
     print(summary(rows).split("\n\n")[0])
     if args.out and args.update and (args.out / "sweep.jsonl").exists():
         new = {r["arch"]: r for r in rows}

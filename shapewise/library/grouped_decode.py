@@ -148,6 +148,7 @@ class GroupedDecodeAttention(GraphPass):
             out = g.call_method("reshape", (attended, *back))
         for new in (rows, attended):
             new.meta.update({key: val for key, val in node.meta.items() if key not in ("example_value", "val")})
+        attended.meta["shapewise_rewrite"] = self.name  # what made it (counted by sweep_architectures)
         qv = node_value(q)
         mode = getattr(qv, "fake_mode", None)
         if mode is not None:

@@ -95,6 +95,8 @@ def test_transformers_decoders_decode_on_the_unrepeated_cache(name):
     nodes = [n for p in decode for var in p.variants for n in (var.gm or p.gm).graph.nodes]
     assert sum("scaled_dot_product" in str(n.target) for n in nodes) == model.config.num_hidden_layers
     assert not any(n.target == "expand" for n in nodes), "a repeat of the cache is left in the decode graph"
+    marked = [n for n in nodes if n.meta.get("shapewise_rewrite") == "grouped_decode_attention"]
+    assert len(marked) == model.config.num_hidden_layers  # each rewritten SDPA says which pass made it
 
 
 def test_a_dynamic_cache_decode_with_padding_is_rewritten_over_its_range_of_lengths():
