@@ -229,39 +229,36 @@ def spin_cycles_per_ms() -> float:
     return 10_000_000 / a.elapsed_time(b)
 
 
+def behind_spin(step: Step, n: int, spin_ms: float, cycles_per_ms: float) -> tuple[float, float]:
+    """``n`` steps issued back to back behind a spin of ``spin_ms`` (the GPU kept busy first):
+    (host µs per step to issue them, GPU µs per step between CUDA events around them)."""
+    step.rewind()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(cycles_per_ms * spin_ms))
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step.call()
+    host = (time.perf_counter() - t0) * 1e6 / n
+    b.record()
+    b.synchronize()
+    return host, a.elapsed_time(b) * 1e3 / n
+
+
 def gpu_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds: int) -> float:
-    """CUDA events around ``n`` steps issued behind a spin long enough for the host to issue all of them."""
-    samples = []
+    """GPU µs per step: ``n`` steps behind a spin long enough for the host to issue all of them."""
     n = min(n, step.room)
-    for _ in range(rounds):
-        step.rewind()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(cycles_per_ms * (2 + 2 * n * host_step_us / 1e3)))
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(n):
-            step.call()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / n)
-    return statistics.median(samples)
+    return statistics.median(behind_spin(step, n, 2 + 2 * n * host_step_us / 1e3, cycles_per_ms)[1]
+                             for _ in range(rounds))
 
 
 def host_ahead_us(step: Step, n: int, host_step_us: float, cycles_per_ms: float, rounds: int) -> float:
     """Host µs per step to issue ``n`` steps back to back while the GPU is kept ahead (a spin
     queued first, long enough for all of them): the steady state, no call right after a wait."""
-    samples = []
     n = min(n, step.room)
-    for _ in range(rounds):
-        step.rewind()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(cycles_per_ms * (2 + 3 * n * host_step_us / 1e3)))
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step.call()
-        samples.append((time.perf_counter() - t0) * 1e6 / n)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+    return statistics.median(behind_spin(step, n, 2 + 3 * n * host_step_us / 1e3, cycles_per_ms)[0]
+                             for _ in range(rounds))
 
 
 def profile(step: Step, device: str, steps: int) -> dict[str, Any]:

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -33,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import shapewise as sw  # noqa: E402
 from benchmarks.bench_decode import Step, make_model  # noqa: E402
+from benchmarks.device.host_breakdown import host_us  # noqa: E402
 
 NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child_graph", 5: "empty",
               6: "wait_event", 7: "event_record", 8: "sem_signal", 9: "sem_wait", 10: "mem_alloc",
@@ -68,23 +67,6 @@ def node_types(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
     return dict(kinds)
 
 
-def host_us(fn, busy: bool, rewind, n: int = 100) -> float:
-    for _ in range(5):
-        rewind()
-        fn()
-    samples = []
-    for _ in range(n):
-        rewind()  # the static cache's write counters back where the step was recorded
-        torch.cuda.synchronize()
-        if busy:
-            torch.cuda._sleep(20_000_000)  # ~10 ms of spin ahead of the call
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    return round(1e6 * statistics.median(samples), 1)
-
-
 def nothing() -> None:
     pass
 
@@ -115,7 +97,8 @@ def row(name: str, make, rewind=nothing) -> dict:
     except Exception as e:  # noqa: BLE001 - a diagnostic: say why, go on
         print(name, "failed:", e, flush=True)
         return {"graph": name, "error": f"{type(e).__name__}: {e}"[:500]}
-    r = {"graph": name, "idle_us": host_us(replay, False, rewind), "busy_us": host_us(replay, True, rewind)}
+    r = {"graph": name, "idle_us": host_us(replay, rewind, False, "cuda", 100),
+         "busy_us": host_us(replay, rewind, True, "cuda", 100)}
     if graph is not None:
         try:
             r["nodes"] = node_types(graph)

@@ -132,7 +132,8 @@ class DecodeGemv(GraphPass):
             if found is None:
                 continue
             x, weight, bias, transpose = found
-            shape = self._fits(node, x, weight, bias, sizes)
+            shape = self._fits(node, x, node_value(weight) if isinstance(weight, torch.fx.Node) else None,
+                               bias is not None, sizes)
             if shape is None:
                 continue
             shapes.append(shape)
@@ -147,10 +148,10 @@ class DecodeGemv(GraphPass):
         _tune_ahead(shapes)
         return PassResult(gm, bool(shapes))
 
-    def _fits(self, node: torch.fx.Node, x: Any, weight: Any, bias: Any, sizes: VariantSizes) -> tuple | None:
-        """(rows, N, K, dtype, bias?, device) when the node is rewritten at these sizes, else None."""
+    def _fits(self, node: torch.fx.Node, x: Any, wv: Any, bias: bool, sizes: VariantSizes) -> tuple | None:
+        """(rows, N, K, dtype, bias?, device) when the node (input ``x``, weight value ``wv``) is
+        rewritten at these sizes, else None."""
         xv = node_value(x) if isinstance(x, torch.fx.Node) else None
-        wv = node_value(weight) if isinstance(weight, torch.fx.Node) else None
         if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or wv.dim() != 2 or xv.dim() < 1:
             return None
         if xv.device.type not in self.devices or str(xv.dtype).removeprefix("torch.") not in self.dtypes:
@@ -164,7 +165,7 @@ class DecodeGemv(GraphPass):
         rows = math.prod(shape[:-1])
         if not 1 <= rows <= self.max_tokens:
             return None
-        return rows, sizes.evaluate(wv.shape[0]), shape[-1], xv.dtype, bias is not None, xv.device
+        return rows, sizes.evaluate(wv.shape[0]), shape[-1], xv.dtype, bias, xv.device
 
 
     def _fits_group(self, node: torch.fx.Node, sizes: VariantSizes) -> tuple | None:
@@ -178,10 +179,7 @@ class DecodeGemv(GraphPass):
             return None
         rows = sum(sizes.evaluate(v.shape[0]) for v in values)
         packed = torch.empty((rows, sizes.evaluate(first.shape[1])), dtype=first.dtype, device="meta")
-        fake = torch.fx.Graph()  # _fits reads node values: a stand-in node holding the packed weight
-        weight = fake.placeholder("w")
-        weight.meta["val"] = packed
-        return self._fits(node, x, weight, biases or None, sizes)
+        return self._fits(node, x, packed, bool(biases), sizes)
 
 
 def _tune_ahead(shapes: list[tuple]) -> None:

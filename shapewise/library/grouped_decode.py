@@ -23,7 +23,6 @@ one head would need their own (causal) mask rows, so those variants are left as 
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -95,12 +94,10 @@ class GroupedDecodeAttention(GraphPass):
             found = self._match(node, sizes)
             if found is None:
                 continue
-            repeats = (node.kwargs.get("key", node.args[1] if len(node.args) > 1 else None),
-                       node.kwargs.get("value", node.args[2] if len(node.args) > 2 else None))
-            self._rewrite(gm, node, *found)
+            *args, repeats = found
+            self._rewrite(gm, node, *args)
             for rep in repeats:  # the repeats, now unread: reshape, expand, the new axis
-                chain = [rep, rep.args[0], rep.args[0].args[0]]
-                for n in chain:
+                for n in (rep, rep.args[0], rep.args[0].args[0]):
                     if n.users:
                         break
                     gm.graph.erase_node(n)
@@ -134,7 +131,8 @@ class GroupedDecodeAttention(GraphPass):
             if ms is None or len(ms) != 4 or ms[1] != 1 or ms[2] != 1:
                 return None  # a mask per head or per query row: the grouped rows would need their own
         value_dim = sizes.shape(v[0])[3]  # the output's head dim is the values' (MLA's differs from the query's)
-        return q, k[0], v[0], mask, bound.get("scale"), (b, groups, k[1], dim), (b, heads, 1, value_dim)
+        return (q, k[0], v[0], mask, bound.get("scale"), (b, groups, k[1], dim), (b, heads, 1, value_dim),
+                (bound["key"], bound["value"]))
 
     def _rewrite(self, gm: torch.fx.GraphModule, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.Node,
                  v: torch.fx.Node, mask: Any, scale: Any, grouped: tuple[int, ...], back: tuple[int, ...]) -> None:
@@ -163,4 +161,4 @@ class GroupedDecodeAttention(GraphPass):
         node.replace_all_uses_with(out)
         g.erase_node(node)
         log.debug("shapewise: GroupedDecodeAttention: %s reads %s heads' keys for %d query heads",
-                  node.name, grouped[1], math.prod(grouped[1:3]))
+                  node.name, grouped[1], back[1])
