@@ -25,6 +25,7 @@ from the cache object as the trace read them, and what the forward sets on the c
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from shapewise.backend import cudagraphs_options
+from shapewise.dispatch.graphed import borrowed_outputs
 from shapewise.errors import ConfigError
 from shapewise.module import ShapewiseModule
 
@@ -111,6 +113,44 @@ def _cache_layers(cache: Any) -> list[Any]:
     return list(layers) if isinstance(layers, (list, tuple)) else []
 
 
+# generate() arguments under which it keeps a forward's output tensors past the next forward
+# (assisted and DoLa decoding, contrastive search, beams, code from the Hub): no borrowing there.
+_KEEPS_OUTPUTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "dola_layers",
+                  "penalty_alpha", "custom_generate")
+
+
+def _keeps_outputs(model: torch.nn.Module, kwargs: dict) -> str | None:
+    """Why this ``generate(**kwargs)`` call may keep tensors of a forward's outputs after it
+    calls the forward again, or None where it keeps none: greedy or sampled decoding copies the
+    last position's logits (``.to(copy=True)``) and drops the outputs before the next step."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+
+    def get(name: str) -> Any:
+        return kwargs[name] if name in kwargs else getattr(config, name, None)
+
+    if get("return_dict_in_generate") and (get("output_hidden_states") or get("output_attentions")):
+        return "it returns each step's hidden states or attentions"
+    if (get("num_beams") or 1) > 1:
+        return "beam search"
+    return next((f"{n} is set" for n in _KEEPS_OUTPUTS if get(n)), None)
+
+
+def _borrowing_generate(model: torch.nn.Module) -> Any:
+    """``model.generate`` that runs inside ``borrowed_outputs()`` (the CUDA graphs' logits not
+    copied per step) where the call keeps no output tensor (``_keeps_outputs``)."""
+    generate = model.generate
+
+    @functools.wraps(generate)
+    def generate_borrowing(*args: Any, **kwargs: Any) -> Any:
+        if _keeps_outputs(model, kwargs) is not None:
+            return generate(*args, **kwargs)
+        with borrowed_outputs():
+            return generate(*args, **kwargs)
+
+    generate_borrowing.shapewise_borrows = True
+    return generate_borrowing
+
+
 def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
                      prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
                      static_cache: bool = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
@@ -136,6 +176,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     capture: on the H200 at 1B shapes the step's GPU time falls 17%. Without graphs each call of
     the op costs more host time (~29 µs on a 2-core CPU) than the matmul launches it saves (a
     16-layer decode step on the CPU: 4.1 ms fused, 2.2 unfused; benchmarks/bench_fuse_cpu.py).
+    With CUDA graphs, ``model.generate`` is wrapped too: a call that keeps no output tensor of
+    a step past the next step (greedy or sampled decoding without returned hidden states or
+    attentions) runs inside ``shapewise.dispatch.borrowed_outputs()``, so each step's logits are
+    the graph's own buffer, not a copy of it (``generate()`` copies the last position itself).
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
@@ -207,4 +251,6 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     if cache_arg is not None:
         fast.miss_note = _whole_sequence_note(cache_arg)
     model.forward = fast
+    if cudagraphs_options(options.get("cudagraphs", False)) and hasattr(model, "generate"):
+        model.generate = _borrowing_generate(model)
     return fast

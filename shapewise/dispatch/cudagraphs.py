@@ -15,7 +15,7 @@ not: the graph reads and writes it there, no copy in or back); each replay check
 addresses, and an input that moved makes its size capture again with that input copied in. A piece with a host tensor
 input is not captured (a replay would skip its host work) and runs as compiled. Graph outputs
 live in the pool and are overwritten by the next call, so the model's final outputs are cloned
-before they are returned (``copy_outputs``).
+before they are returned (``copy_outputs``), but inside ``borrowed_outputs()``.
 
 ``mode="full"`` captures one graph per size around the whole forward (splitting ops included);
 ``"full_and_piecewise"`` (vLLM's default) does that for the sizes up to ``full_up_to`` (decode)
@@ -44,7 +44,7 @@ from shapewise.dispatch.graphed import (
     SizeGraphs,
     StagedInputs,
     StaticBuffer,
-    clone_tensors,
+    copy_out,
     is_fixed,
 )
 from shapewise.dispatch.padding import padded_entries
@@ -236,13 +236,6 @@ def split_fed_inputs(program: Program) -> dict[str, frozenset[int]]:
     return out
 
 
-def _copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
-    def run_and_copy(*args: Any) -> Any:
-        return clone_tensors(run(*args))
-
-    return run_and_copy
-
-
 @dataclass
 class GraphRuntime:
     """The live CUDA graphs of one Runnable, built from its ``GraphPlan``: the shared memory
@@ -298,7 +291,7 @@ def build_graphs(program: Program, plan: GraphPlan) -> GraphRuntime:
                                group)
             staged.append(run)
             per_size[size.key] = callables
-        entries[size.key] = _copy_out(run) if plan.copy_outputs else run
+        entries[size.key] = copy_out(run) if plan.copy_outputs else run
     if plan.pad:
         entries.update(padded_entries(program, entries))
     return GraphRuntime(pool, entries, pieces, staged, per_size)

@@ -7,6 +7,7 @@ their outputs where they are, with no copy (vLLM's attention-with-output without
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -20,8 +21,8 @@ from shapewise import _compat
 from shapewise.ir.program import TensorMeta
 from shapewise.ir.runner import LAYOUTS_ATTR
 
-__all__ = ["GraphPool", "GraphedPiece", "SizeGraphs", "StagedInputs", "StaticBuffer", "clone_tensors", "is_fixed",
-           "tensors_of"]
+__all__ = ["CopyIn", "GraphPool", "GraphedPiece", "SizeGraphs", "StagedInputs", "StaticBuffer", "borrowed_outputs",
+           "clone_tensors", "copy_out", "is_fixed", "outputs_borrowed", "tensors_of"]
 
 log = logging.getLogger("shapewise")
 
@@ -92,6 +93,45 @@ class AddressCheck:
 _DATA_PTR, _STRIDE = torch.Tensor.data_ptr, torch.Tensor.stride
 
 
+class CopyIn:
+    """The fresh inputs of a replay (a decode step's token ids, positions and mask) copied into
+    their static buffers, ``slots`` = (input, static buffer) rows. Several go in one launch: one
+    ``torch._foreach_copy_`` over their bytes (uint8 views; a foreach copy launches once per
+    dtype, and those three inputs are int64, int64 and bool). Where the bytes cannot be viewed
+    so (a complex dtype, a 0-d tensor, an int64 source whose last dimension is strided), each is
+    copied on its own, as before. A copy of bytes is the copy of values: each source has its
+    buffer's shape (the dispatch is by shape) and dtype (Dynamo's guards)."""
+
+    def __init__(self, slots: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self.slots = list(slots)
+        get = operator.itemgetter(*(i for i, _ in self.slots)) if self.slots else None
+        self._get = get if len(self.slots) > 1 else None
+        dst = [_bytes(static) for _, static in self.slots]
+        self._bytes = dst if len(dst) > 1 and all(d is not None for d in dst) else None
+
+    def __call__(self, args: Sequence[Any]) -> None:
+        if self._bytes is not None:
+            try:
+                src = [a.view(torch.uint8) for a in self._get(args)]
+            except RuntimeError:  # not viewable as bytes after all: one by one from now on
+                self._bytes = None
+            else:
+                torch._foreach_copy_(self._bytes, src)
+                return
+        for i, static in self.slots:
+            static.copy_(args[i])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s bytes as a uint8 view, or None where there is none (or its values are not its bytes)."""
+    if t.dim() == 0 or t.is_complex() or t.is_conj() or t.is_neg():
+        return None
+    try:
+        return t.view(torch.uint8)
+    except RuntimeError:
+        return None
+
+
 class GraphedPiece:
     """A compiled piece at one size: warm-up, capture and replay on first call; replay after."""
 
@@ -121,6 +161,7 @@ class GraphedPiece:
         # Inputs that were the same tensor, at the same address, on the warm-up and capture calls (a
         # KV cache the model keeps, a persistent buffer), marked or not: (input, address, strides).
         self.kept: list[tuple[int, int, tuple[int, ...]]] = []
+        self._copy_in: CopyIn | None = None  # copy_slots, in one launch
         self._fixed_check: AddressCheck | None = None  # fixed_slots and kept, checked in one pass each
         self._kept_check: AddressCheck | None = None
         self.warm_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # the warm-up's tensors (_seen)
@@ -156,8 +197,8 @@ class GraphedPiece:
                 return self.fn(*args)
         if self._kept_check is not None and (i := self._kept_check.moved(args)) is not None:
             return self._kept_moved(args, i)
-        for i, static in self.copy_slots:
-            static.copy_(args[i])
+        if self._copy_in is not None:
+            self._copy_in(args)
         self.replays += 1
         graph.replay()
         for i, static in self.write_back:
@@ -259,6 +300,7 @@ class GraphedPiece:
                 live.add(address(t))
             self.fixed_slots, self.fixed_inner, self.copy_slots = fixed, inner, copies
             self.write_back, self.adopted, self.kept = write_back, adopted, kept
+            self._copy_in = CopyIn(copies) if copies else None
             self._fixed_check = AddressCheck(fixed) if fixed else None
             self._kept_check = AddressCheck(kept) if kept else None
             self.outputs = outputs
@@ -279,7 +321,7 @@ class GraphedPiece:
         self.graph, self.outputs = None, None
         self.fixed_slots, self.fixed_inner, self.copy_slots, self.write_back, self.adopted = [], [], [], [], []
         self.kept = []
-        self._fixed_check = self._kept_check = None
+        self._fixed_check = self._kept_check = self._copy_in = None
 
 
 class SizeGraphs:
@@ -343,6 +385,7 @@ class StagedInputs:
         self.buffers = list(buffers)
         self.written = written
         self.slots: list[tuple[int, torch.Tensor]] | None = None
+        self._copy_in: CopyIn | None = None  # the slots, in one launch
         self.first_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] | None = None  # the first call's (_seen)
 
     def __call__(self, *args: Any) -> Any:
@@ -356,9 +399,9 @@ class StagedInputs:
                 return self.run(*args)
             slots = self._decide(args)
         if slots:
+            self._copy_in(args)
             args = list(args)
             for i, static in slots:
-                static.copy_(args[i])
                 args[i] = static
         return self.run(*args)
 
@@ -374,7 +417,7 @@ class StagedInputs:
                 static = buf.view(self.key)
                 live.add(static.data_ptr())  # the pieces read it in place, as an earlier graph's output
                 slots.append((i, static))
-        self.slots = slots
+        self.slots, self._copy_in = slots, CopyIn(slots)
         return slots
 
 
@@ -414,6 +457,45 @@ def tensors_of(tree: Any):
     elif isinstance(tree, dict):
         for t in tree.values():
             yield from tensors_of(t)
+
+
+class _Borrowing(threading.local):
+    on = False
+
+
+_BORROWING = _Borrowing()
+
+
+@contextlib.contextmanager
+def borrowed_outputs():
+    """Inside this context (in this thread), a call that replays CUDA graphs returns the graphs'
+    own output buffers, not copies of them (``copy_outputs``): one copy and ~15 µs of host time
+    less per call. Each output is overwritten by the next call at its size, so this is for a
+    caller that is done with a call's outputs before it makes the next one, as transformers'
+    ``generate()`` is (it copies the logits it keeps; ``compile_generate`` borrows inside the
+    ``generate()`` calls that keep no other output)."""
+    was = _BORROWING.on
+    _BORROWING.on = True
+    try:
+        yield
+    finally:
+        _BORROWING.on = was
+
+
+def outputs_borrowed() -> bool:
+    """Whether this thread is inside ``borrowed_outputs()``."""
+    return _BORROWING.on
+
+
+def copy_out(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` with its outputs cloned out of the graph pool, but inside ``borrowed_outputs()``."""
+    borrowing = _BORROWING
+
+    def run_and_copy(*args: Any) -> Any:
+        out = run(*args)
+        return out if borrowing.on else clone_tensors(out)
+
+    return run_and_copy
 
 
 def clone_tensors(tree: Any) -> Any:

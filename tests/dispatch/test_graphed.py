@@ -203,3 +203,36 @@ def test_the_address_check_finds_the_first_input_not_where_the_capture_found_it(
     relaid = (*args[:2], ts[1].t(), *args[3:])  # same address, other strides
     assert laid_out.moved(relaid) == 2 and in_place.moved(relaid) is None
     assert one.moved((*args[:5], torch.zeros(4, 4))) == 5
+
+
+def test_fresh_inputs_of_three_dtypes_are_copied_in_by_their_bytes_in_one_foreach_copy(monkeypatch):
+    from shapewise.dispatch.graphed import CopyIn
+
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda dst, src: (calls.append(len(dst)), real(dst, src)))
+    # A decode step's fresh inputs: token ids and positions (int64), the mask (bool), and a bf16 row.
+    statics = [torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+               torch.zeros(1, 1, 1, 11, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.bfloat16)]
+    copy_in = CopyIn([(0, statics[0]), (2, statics[1]), (3, statics[2]), (4, statics[3])])
+    for step in range(3):
+        args = (torch.tensor([[7 + step]]), "not copied", torch.tensor([[-(2 ** 40) - step]]),
+                torch.rand(1, 1, 1, 11) > 0.5, torch.randn(2, 3, dtype=torch.bfloat16))
+        copy_in(args)
+        for static, a in zip(statics, args[:1] + args[2:]):
+            assert static.dtype == a.dtype and torch.equal(static, a)
+    assert calls == [4, 4, 4]
+    # A source that has no bytes view (an int64 row of a transposed tensor: its last dimension is
+    # strided) is copied value by value, and so is every later call.
+    row = torch.arange(6, dtype=torch.int64).reshape(2, 3).t()[:1]
+    out = [torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2, dtype=torch.bool)]
+    copy_in = CopyIn([(0, out[0]), (1, out[1])])
+    copy_in((row, torch.ones(1, 2, dtype=torch.bool)))
+    assert torch.equal(out[0], row) and out[1].all() and calls == [4, 4, 4]
+    copy_in((torch.full((1, 2), 5), torch.zeros(1, 2, dtype=torch.bool)))
+    assert (out[0] == 5).all() and not out[1].any() and calls == [4, 4, 4]
+    # Nothing in a bytes view for a 0-d or complex buffer: one by one from the start.
+    scalar, cplx = torch.zeros((), dtype=torch.int64), torch.zeros(2, dtype=torch.complex64)
+    copy_in = CopyIn([(0, scalar), (1, cplx)])
+    copy_in((torch.tensor(3), torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)))
+    assert scalar.item() == 3 and torch.equal(cplx, torch.tensor([1 + 2j, 3 - 1j])) and calls == [4, 4, 4]

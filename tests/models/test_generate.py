@@ -73,12 +73,17 @@ def test_compile_generate_refuses_what_it_chooses_itself():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cudagraphs", ["full", True])
-def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
+def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch):
+    from shapewise.dispatch import graphed
+
     # The static cache is written in place by the graph: its tensors (marked with
     # mark_static_address by transformers) must be used in place, not copied into static buffers.
     model = _llama().cuda()
     prompt = torch.randint(0, 128, (1, 12), device="cuda")
     expected = model.generate(prompt, max_new_tokens=16, do_sample=False, cache_implementation="static")
+    keep = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True,
+            "output_hidden_states": True}
+    want = model.generate(prompt, **keep, cache_implementation="static")
     fast = sw.compile_generate(model, prompt_sizes=[12], max_length=64, static_cache=True, backend="inductor",
                                cudagraphs=cudagraphs)
     decode_steps = 0
@@ -104,6 +109,22 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs):
     # across the attention); piecewise graphs are split at SDPA.
     assert (len(fast.runnables[1].program.pieces) == 1) == (cudagraphs == "full"), \
         [p.name for p in fast.runnables[1].program.pieces]
+    # The fresh inputs go in one launch (a foreach copy of their bytes), and generate() borrows the
+    # graphs' outputs: no clone of the logits per step.
+    copy_ins = [c for c in [p._copy_in for p in pieces] + [s._copy_in for s in graphs.staged] if c is not None]
+    assert copy_ins and all(c._bytes is not None for c in copy_ins if len(c.slots) > 1), \
+        [[tuple(t.shape) for _, t in c.slots] for c in copy_ins]
+    assert getattr(model.generate, "shapewise_borrows", False)
+    clones = []
+    real_clone = graphed.clone_tensors
+    monkeypatch.setattr(graphed, "clone_tensors", lambda tree: (clones.append(1), real_clone(tree))[1])
+    assert torch.equal(model.generate(prompt, max_new_tokens=16, do_sample=False), expected) and not clones
+    # A generate() that keeps each step's hidden states gets copies: the same states as eager's.
+    got = model.generate(prompt, **keep)
+    assert clones
+    assert torch.equal(got.sequences, want.sequences)
+    for step_got, step_want in zip(got.hidden_states, want.hidden_states):
+        assert_same(step_got, step_want, "hidden states per step")
 
 
 def _greedy_equal(model, fast_options, prompts, new_tokens=10):
@@ -262,3 +283,33 @@ def test_a_model_given_the_whole_sequence_at_each_step_is_refused_with_the_reaso
     with pytest.raises(sw.DispatchMiss, match=r"this trace fixed seq=13") as info:
         model.generate(_prompts(12)[0], max_new_tokens=3, do_sample=False)
     assert "passes it the whole sequence at every step" in "\n".join(info.value.__notes__)
+
+
+def test_generate_borrows_the_graphs_outputs_only_where_it_keeps_none():
+    from shapewise.dispatch.graphed import copy_out, outputs_borrowed
+    from shapewise.generate import _borrowing_generate, _keeps_outputs
+
+    model = _llama()
+    seen = []
+    model.generate = lambda *a, **k: seen.append(outputs_borrowed())
+    model.generate = _borrowing_generate(model)
+    model.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=3)
+    model.generate(torch.zeros(1, 2, dtype=torch.long), do_sample=True, output_logits=True,
+                   return_dict_in_generate=True)  # the logits it keeps are its own copies
+    model.generate(torch.zeros(1, 2, dtype=torch.long), return_dict_in_generate=True, output_hidden_states=True)
+    model.generate(torch.zeros(1, 2, dtype=torch.long), num_beams=2)
+    assert seen == [True, True, False, False] and not outputs_borrowed()
+    assert _keeps_outputs(model, {"return_dict_in_generate": True, "output_attentions": True}) == \
+        "it returns each step's hidden states or attentions"
+    assert _keeps_outputs(model, {"assistant_model": model}) == "assistant_model is set"
+    assert _keeps_outputs(model, {"penalty_alpha": 0.6, "top_k": 4}) == "penalty_alpha is set"
+    # The generation config counts as the call's own arguments do.
+    model.generation_config.return_dict_in_generate = model.generation_config.output_hidden_states = True
+    assert _keeps_outputs(model, {}) is not None and _keeps_outputs(model, {"output_hidden_states": False}) is None
+    # Outside the context the graphs' outputs are cloned; inside they are the buffers themselves.
+    buffer = torch.zeros(3)
+    run = copy_out(lambda: {"logits": buffer})
+    assert run()["logits"] is not buffer and torch.equal(run()["logits"], buffer)
+    with sw.dispatch.borrowed_outputs():
+        assert run()["logits"] is buffer
+    assert run()["logits"] is not buffer
