@@ -23,7 +23,8 @@ Contenders (each on its own copy of the weights):
   sw_full_combo   ``sw_full`` with Inductor's ``combo_kernels`` for the static variants:
                independent small kernels (a layer's rotary, cache writes, counter) in one launch;
   sw_full_gqa     ``sw_full`` with ``graph_passes=[GroupedDecodeAttention()]``: the decode step's
-               attention reads the cache's 8 KV heads, not 32 repeated copies of them;
+               attention reads the cache's 8 KV heads, not 32 repeated copies of them, in shapewise's
+               decode kernel (``shapewise::decode_attention``; before 2026-12-03 18:00, SDPA);
   sw_full_combo_gqa  both.
 
 The decode step is the call ``generate()`` makes: its arguments are recorded from
@@ -155,6 +156,14 @@ class Step:
         if name == "hf_recipe":  # the compiled call generate() makes for decode steps
             compiled = model.get_compiled_call(model.generation_config.compile_config)
             self.call = lambda: compiled(**self.kwargs)
+        elif getattr(model.generate, "shapewise_borrows", False):
+            # As inside generate(), which borrows the graphs' outputs (compile_generate): not cloned.
+            # (generate() enters the context once per call; here once per step, ~1 µs more.)
+            def call() -> Any:
+                with sw.dispatch.borrowed_outputs():
+                    return model(**self.kwargs)
+
+            self.call = call
         else:
             self.call = lambda: model(**self.kwargs)
 
@@ -306,11 +315,11 @@ def profile(step: Step, device: str, steps: int) -> dict[str, Any]:
 
 def is_copy_kernel(name: str) -> bool:
     """Whether a GPU kernel (lower-case name) only copies: ATen's copy kernels (``copy_``,
-    ``contiguous``, ``cat``) and Inductor kernels made of copies alone (``triton_poi_fused_copy_0``,
+    ``contiguous``, ``cat``, ``_foreach_copy_``) and Inductor kernels made of copies alone (``triton_poi_fused_copy_0``,
     ``..._fused_clone_0``, ``..._fused_index_copy_0``). An Inductor kernel that fuses a copy with
     compute (``triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0``: an RMSNorm, whose dtype cast
     is a ``_to_copy``) is not one; these were counted as copies before 2026-12-03."""
-    if "copy_kernel" in name or "catarraybatchedcopy" in name:
+    if "copy_kernel" in name or "catarraybatchedcopy" in name or "copyfunctor" in name:  # (a foreach copy)
         return True
     for prefix in ("triton_poi_fused_", "triton_per_fused_", "triton_red_fused_"):
         if name.startswith(prefix):

@@ -18,6 +18,13 @@ its ``[B, Hkv, n, D]`` output is viewed back as ``[B, Hkv * n, 1, D]``. The same
 query row attends on its own, over the same keys and mask row. At more query tokens the rows of
 one head would need their own (causal) mask rows, so those variants are left as they are.
 ``PassResult.modified`` says whether any attention was rewritten.
+
+``attention="kernel"`` (the default) runs the grouped attention in shapewise's own decode
+kernel (``shapewise::decode_attention``, ``kernels/decode_attention.py``: a split-KV Triton
+kernel on CUDA in bf16/fp16, SDPA itself anywhere else); ``attention="sdpa"`` calls SDPA on the
+grouped rows. On the H200 at Llama-3.2-1B shapes SDPA's cuDNN kernel for the grouped shape is
+slower than for the repeated one (9.0 against 6.35 µs a layer, benchmarks/results/decode_h200/
+decode_options), so the rewrite pays only with a kernel written for it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ import torch.fx
 import torch.nn.functional as F
 
 from shapewise._compat import node_value
+from shapewise.errors import ConfigError
+from shapewise.library.kernels import decode_attention as _registers_the_op  # noqa: F401 - shapewise::decode_attention
 from shapewise.passes.base import register_pass
 from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
 
@@ -79,10 +88,17 @@ def _repeated(node: Any, sizes: VariantSizes) -> tuple[torch.fx.Node, int] | Non
 @register_pass
 @dataclass(frozen=True)
 class GroupedDecodeAttention(GraphPass):
-    """SDPA of one query token over repeated keys/values -> SDPA of the grouped query rows over the unrepeated ones."""
+    """SDPA of one query token over repeated keys/values -> attention of the grouped query rows over the unrepeated
+    ones (shapewise's decode kernel, or SDPA: ``attention``)."""
 
     name: ClassVar[str] = "grouped_decode_attention"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
+    attention: str = "kernel"  # "kernel": shapewise::decode_attention; "sdpa": SDPA on the grouped rows
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("kernel", "sdpa"):
+            raise ConfigError(f"GroupedDecodeAttention(attention={self.attention!r}): say 'kernel' (shapewise's "
+                              "decode kernel) or 'sdpa' (SDPA on the grouped query rows)")
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult:
         if not isinstance(sizes, VariantSizes):
@@ -137,12 +153,15 @@ class GroupedDecodeAttention(GraphPass):
     def _rewrite(self, gm: torch.fx.GraphModule, node: torch.fx.Node, q: torch.fx.Node, k: torch.fx.Node,
                  v: torch.fx.Node, mask: Any, scale: Any, grouped: tuple[int, ...], back: tuple[int, ...]) -> None:
         g = gm.graph
-        kwargs: dict[str, Any] = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False}
-        if scale is not None:
-            kwargs["scale"] = scale
         with g.inserting_before(node):
             rows = g.call_method("reshape", (q, *grouped))
-            attended = g.call_function(node.target, (rows, k, v), kwargs)
+            if self.attention == "kernel":
+                attended = g.call_function(torch.ops.shapewise.decode_attention.default, (rows, k, v, mask, scale))
+            else:
+                kwargs: dict[str, Any] = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False}
+                if scale is not None:
+                    kwargs["scale"] = scale
+                attended = g.call_function(node.target, (rows, k, v), kwargs)
             out = g.call_method("reshape", (attended, *back))
         for new in (rows, attended):
             new.meta.update({key: val for key, val in node.meta.items() if key not in ("example_value", "val")})

@@ -29,8 +29,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 @pytest.mark.parametrize("mask", ["none", "bool", "float"])
-def test_one_query_token_attends_the_unrepeated_keys_with_the_same_answers(mask):
+def test_one_query_token_attends_the_unrepeated_keys_with_the_same_answers(mask, attention):
     torch.manual_seed(0)
     b, heads, groups, s, d = 2, 8, 2, 10, 16
     k, v = torch.randn(b, groups, s, d), torch.randn(b, groups, s, d)
@@ -43,7 +44,8 @@ def test_one_query_token_attends_the_unrepeated_keys_with_the_same_answers(mask)
         return keep if mask == "bool" else torch.zeros(b, 1, tokens, s).masked_fill(~keep, float("-inf"))
 
     fast = sw.compile(attend, dynamic_dims={"q": 2, "mask": 2}, sizes=[1, 3], backend="aot_eager",
-                      graph_passes=[sw.library.GroupedDecodeAttention()], direct_call=False, cache=False)
+                      graph_passes=[sw.library.GroupedDecodeAttention(attention=attention)], direct_call=False,
+                      cache=False)
     for tokens in (1, 3, 1):
         q, m = torch.randn(b, heads, tokens, d), masks(tokens)
         assert_same(fast(q, k, v, m), attend(q, k, v, m), f"tokens={tokens} mask={mask}")
@@ -51,6 +53,28 @@ def test_one_query_token_attends_the_unrepeated_keys_with_the_same_answers(mask)
               for p in fast.runnable.program.compute_pieces for var in p.variants}
     # one token: the repeats are gone; three (each row its own mask row): kept
     assert sorted(graphs.values()) == [0, 2], graphs
+    ops = [n.target for p in fast.runnable.program.compute_pieces for var in p.variants
+           for n in (var.gm or p.gm).graph.nodes if n.meta.get("shapewise_rewrite")]
+    assert ops == [torch.ops.shapewise.decode_attention.default if attention == "kernel"
+                   else F.scaled_dot_product_attention], ops
+
+
+def test_the_attention_option_is_checked():
+    with pytest.raises(sw.ConfigError, match="say 'kernel'.*or 'sdpa'"):
+        sw.library.GroupedDecodeAttention(attention="flash")
+
+
+def test_the_decode_kernels_plan_fills_the_gpu_with_slices_of_whole_tiles():
+    from shapewise.library.kernels.decode_attention import BLOCK_S, decode_attention_plan
+
+    for batch, heads, tokens, sms in [(1, 8, 384, 132), (1, 8, 4096, 132), (1, 1, 100_000, 132), (64, 8, 384, 132),
+                                      (2, 2, 1, 8), (1, 4, 65, 16), (3, 5, 1000, 7)]:
+        parts, chunk = decode_attention_plan(batch, heads, tokens, sms)
+        assert chunk % BLOCK_S == 0 and 1 <= parts <= 64
+        assert (parts - 1) * chunk < tokens <= parts * chunk  # every slice has tokens; together all of them
+        want = min(64, -(-sms // (batch * heads)))  # about one program per multiprocessor, not more
+        tiles, per = -(-tokens // BLOCK_S), chunk // BLOCK_S
+        assert parts <= want and (per == 1 or -(-tiles // (per - 1)) > want)  # slices no longer than that needs
 
 
 def test_values_with_their_own_head_dim():
@@ -93,7 +117,9 @@ def test_transformers_decoders_decode_on_the_unrepeated_cache(name):
     assert_same(got.logits, want.logits, "logits per step")
     decode = fast.runnables[-1].program.compute_pieces
     nodes = [n for p in decode for var in p.variants for n in (var.gm or p.gm).graph.nodes]
-    assert sum("scaled_dot_product" in str(n.target) for n in nodes) == model.config.num_hidden_layers
+    assert sum(n.target is torch.ops.shapewise.decode_attention.default for n in nodes) == \
+        model.config.num_hidden_layers
+    assert not any("scaled_dot_product" in str(n.target) for n in nodes)
     assert not any(n.target == "expand" for n in nodes), "a repeat of the cache is left in the decode graph"
     marked = [n for n in nodes if n.meta.get("shapewise_rewrite") == "grouped_decode_attention"]
     assert len(marked) == model.config.num_hidden_layers  # each rewritten SDPA says which pass made it
@@ -146,3 +172,33 @@ def test_bf16_decode_in_full_cuda_graphs_on_the_unrepeated_cache_against_fp32(na
     marked = [n for n in nodes if n.meta.get("shapewise_rewrite") == "grouped_decode_attention"]
     assert len(marked) == model.config.num_hidden_layers
     assert_bf16_logits_close(got, want, bf16, prompt=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_decode_kernel_against_fp32_sdpa(dtype):
+    # The Triton kernel itself, one slice of S or many (and the combine), masks of each kind, a
+    # mask shared by the batch, head dims that are not powers of two, values with their own.
+    from shapewise.library.kernels.decode_attention import _fast_path
+
+    torch.manual_seed(0)
+    for b, h, n, s, d, dv, mask in [(1, 8, 4, 384, 64, 64, "bool"), (1, 8, 4, 7, 64, 64, None),
+                                    (2, 2, 3, 130, 32, 16, "float"), (2, 2, 1, 65, 80, 48, "bool, batch 1"),
+                                    (1, 1, 8, 4096, 128, 128, "bool"), (4, 8, 16, 33, 256, 256, None),
+                                    (1, 8, 4, 1, 64, 64, "bool")]:
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=dtype) for shape in
+                   ((b, h, n, d), (b, h, s, d), (b, h, s, dv)))
+        m = None
+        if mask is not None:
+            keep = torch.rand(1 if "batch 1" in mask else b, 1, 1, s, device="cuda") > 0.3
+            keep[..., 0] = True
+            m = keep if mask.startswith("bool") else torch.zeros(keep.shape, device="cuda", dtype=dtype).masked_fill(
+                ~keep, float("-inf"))
+        assert _fast_path(q, k, v, m), (b, h, n, s, d, dv, mask)
+        got = torch.ops.shapewise.decode_attention(q, k, v, m, 0.125)
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=0.125,
+                                              attn_mask=m if m is None or m.dtype == torch.bool else m.float())
+        ref16 = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.125).float()
+        # within twice what SDPA's own kernels in this dtype are off by, and a floor of the dtype's rounding
+        bound = max(2 * (ref16 - want).abs().max().item(), 4 * torch.finfo(dtype).eps)
+        assert (got.float() - want).abs().max().item() <= bound, (b, h, n, s, d, dv, mask)

@@ -6,6 +6,7 @@ Standalone: imports torch (and Triton, lazily), filelock and ``shapewise.cache_d
 results persist in ``store.py``'s ``TuningStore`` (``<shapewise cache>/<kernel>-tuning/``).
 """
 
+from shapewise.library.kernels.decode_attention import decode_attention
 from shapewise.library.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_configs, triton_gemv_available, tune
 
-__all__ = ["GemvConfig", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune"]
+__all__ = ["GemvConfig", "decode_attention", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune"]

@@ -1,0 +1,220 @@
+"""``shapewise::decode_attention``: the attention of a few query rows per key/value head over a
+KV cache, as a Triton split-KV ("flash-decoding") kernel.
+
+    out = decode_attention(q, k, v, mask, scale)
+    # q [B, H, n, D], k [B, H, S, D], v [B, H, S, Dv], mask None or [B | 1, 1, 1, S] -> [B, H, n, Dv]
+
+It is ``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)`` (no dropout, not
+causal) with the mask one row shared by the query rows: what ``GroupedDecodeAttention`` makes of a
+decode step's grouped-query attention (the n query heads that share a key/value head as n query
+rows of it, over the unrepeated cache). At that shape SDPA's backends are slow: on the H200 at
+Llama-3.2-1B shapes (8 KV heads, 4 rows each, 384 cached tokens) cuDNN takes 9.0 µs a call and a
+memset (benchmarks/results/decode_h200/decode_options), where the cache is 0.8 MB.
+
+The kernel: one program per (batch, head, slice of S); each streams its slice of the keys and
+values once, in tiles of ``BLOCK_S`` tokens, with an online softmax over its rows (padded to 16
+for the tensor cores). The slices are as many as fill the GPU's multiprocessors (about one
+program each); with more than one, a second small kernel combines their partial sums (each
+slice's max, sum and weighted values, in float32). A boolean mask is True where a token is
+attended; a float mask is added to the scores.
+
+The fast path: CUDA, bf16 or fp16 (the same for q, k and v), head dims of at most 256, inner
+dimensions contiguous, Triton importable. Anything else runs SDPA itself, so the op is right on
+any input. Its fake implementation lets Dynamo, AOTAutograd and Inductor trace it. No backward:
+it is for inference (decode).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from shapewise.library.kernels.gemv import triton_gemv_available
+
+__all__ = ["decode_attention", "decode_attention_plan"]
+
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+BLOCK_S = 64  # tokens per tile
+_MAX_DIM = 256
+_MAX_PARTS = 64  # slices of S per head, at most
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def decode_attention_plan(batch: int, heads: int, tokens: int, sms: int = 132) -> tuple[int, int]:
+    """(slices of S, tokens per slice) for ``batch * heads`` programs over ``tokens`` cached
+    tokens on a GPU of ``sms`` multiprocessors: enough slices for about one program per
+    multiprocessor (at most 64 a head), each a whole number of ``BLOCK_S`` tiles, none empty."""
+    tiles = max(1, _cdiv(tokens, BLOCK_S))
+    want = min(_MAX_PARTS, max(1, _cdiv(sms, batch * heads)))
+    per = _cdiv(tiles, want)
+    return _cdiv(tiles, per), per * BLOCK_S
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attend_slices(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
+                      H, S, chunk, scale, rows,
+                      sqb, sqh, sqn, skb, skh, sks, svb, svh, svs, smb, sms_, sob, soh, son,
+                      HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
+                      DV: tl.constexpr, DV_P2: tl.constexpr):
+        bh = tl.program_id(0)
+        part = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        rn = tl.arange(0, BLOCK_N)
+        rd = tl.arange(0, D_P2)
+        rdv = tl.arange(0, DV_P2)
+        n_ok = rn < rows
+        q = tl.load(q_ptr + b * sqb + h * sqh + rn[:, None] * sqn + rd[None, :],
+                    mask=n_ok[:, None] & (rd[None, :] < D), other=0.0)
+        k_base = k_ptr + b * skb + h * skh
+        v_base = v_ptr + b * svb + h * svh
+        m_i = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_N,), tl.float32)
+        acc = tl.zeros((BLOCK_N, DV_P2), tl.float32)
+        lo = part * chunk
+        for step in range(0, chunk, BLOCK_S):  # (the last slice's tiles past S load nothing)
+            rs = lo + step + tl.arange(0, BLOCK_S)
+            s_ok = rs < S
+            k = tl.load(k_base + rs[:, None] * sks + rd[None, :], mask=s_ok[:, None] & (rd[None, :] < D), other=0.0)
+            qk = tl.dot(q, tl.trans(k)) * scale
+            if HAS_MASK:
+                if MASK_BOOL:
+                    keep = tl.load(mask_ptr + b * smb + rs * sms_, mask=s_ok, other=0)
+                    qk = tl.where(keep[None, :] != 0, qk, float("-inf"))
+                else:
+                    qk += tl.load(mask_ptr + b * smb + rs * sms_, mask=s_ok, other=0.0).to(tl.float32)[None, :]
+            qk = tl.where(s_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing attended yet
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(qk - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + rs[:, None] * svs + rdv[None, :], mask=s_ok[:, None] & (rdv[None, :] < DV),
+                        other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if SPLIT:
+            row = (bh * tl.num_programs(1) + part) * BLOCK_N + rn
+            tl.store(part_ml_ptr + row * 2, m_i)
+            tl.store(part_ml_ptr + row * 2 + 1, l_i)
+            tl.store(part_acc_ptr + row[:, None] * DV_P2 + rdv[None, :], acc)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + b * sob + h * soh + rn[:, None] * son + rdv[None, :], out.to(out_ptr.dtype.element_ty),
+                     mask=n_ok[:, None] & (rdv[None, :] < DV))
+
+    @triton.jit
+    def combine_slices(part_ml_ptr, part_acc_ptr, out_ptr, H, parts, rows, sob, soh, son,
+                       PARTS_P2: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, DV_P2: tl.constexpr):
+        bh = tl.program_id(0)
+        b = bh // H
+        h = bh % H
+        rp = tl.arange(0, PARTS_P2)
+        rn = tl.arange(0, BLOCK_N)
+        rdv = tl.arange(0, DV_P2)
+        first = bh * parts * BLOCK_N
+        m = tl.load(part_ml_ptr + (first + rp[:, None] * BLOCK_N + rn[None, :]) * 2, mask=(rp < parts)[:, None],
+                    other=float("-inf"))  # [PARTS_P2, BLOCK_N]: each slice's max, per row
+        m_all = tl.max(m, 0)
+        m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+        total = tl.zeros((BLOCK_N,), tl.float32)
+        acc = tl.zeros((BLOCK_N, DV_P2), tl.float32)
+        for p in range(0, parts):
+            row = first + p * BLOCK_N + rn
+            w = tl.exp(tl.load(part_ml_ptr + row * 2) - m_use)
+            total += w * tl.load(part_ml_ptr + row * 2 + 1)
+            acc += w[:, None] * tl.load(part_acc_ptr + row[:, None] * DV_P2 + rdv[None, :])
+        out = acc / total[:, None]
+        tl.store(out_ptr + b * sob + h * soh + rn[:, None] * son + rdv[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(rn[:, None] < rows) & (rdv[None, :] < DV))
+
+    return attend_slices, combine_slices
+
+
+def _fast_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    if not (q.is_cuda and q.dim() == k.dim() == v.dim() == 4 and q.dtype in _FAST_DTYPES
+            and k.dtype == v.dtype == q.dtype and k.device == v.device == q.device):
+        return False
+    (b, h, n, d), (s, dv) = q.shape, (k.shape[2], v.shape[3])
+    if k.shape != (b, h, s, d) or v.shape[:3] != (b, h, s) or not (1 <= n <= 128 and s >= 1):
+        return False
+    if not (16 <= d <= _MAX_DIM and 16 <= dv <= _MAX_DIM) or q.stride(-1) != 1 or k.stride(-1) != 1 \
+            or v.stride(-1) != 1:
+        return False
+    if mask is not None and not (mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == mask.shape[2] == 1
+                                 and mask.shape[3] in (1, s) and mask.device == q.device
+                                 and (mask.dtype == torch.bool or mask.dtype.is_floating_point)):
+        return False
+    return triton_gemv_available()
+
+
+@torch.library.custom_op("shapewise::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)`` for a mask shared
+    by the query rows, through the Triton kernel where it runs (module docstring)."""
+    if not _fast_path(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    with torch.cuda.device(q.device):
+        return _launch(q, k, v, mask, scale, _sms(q.device.index if q.device.index is not None
+                                                  else torch.cuda.current_device()))
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
+            sms: int) -> torch.Tensor:
+    """The kernels on arguments ``_fast_path`` took (on the current device; or on the CPU under
+    ``TRITON_INTERPRET=1``, as the tests run them without a GPU)."""
+    b, h, n, d = q.shape
+    s, dv = k.shape[2], v.shape[3]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    block_n = max(16, _next_pow2(n))
+    dv_p2 = _next_pow2(dv)
+    out = torch.empty((b, h, n, dv), dtype=q.dtype, device=q.device)
+    if mask is not None:
+        mask = mask.expand(b, 1, 1, s)
+    parts, chunk = decode_attention_plan(b, h, s, sms)
+    attend, combine = _kernels()
+    split = parts > 1
+    ml = torch.empty((b * h * parts * block_n * 2) if split else 1, dtype=torch.float32, device=q.device)
+    acc = torch.empty((b * h * parts * block_n * dv_p2) if split else 1, dtype=torch.float32, device=q.device)
+    m_args = (mask, mask.stride(0), mask.stride(3)) if mask is not None else (q, 0, 0)
+    attend[(b * h, parts)](
+        q, k, v, m_args[0], out, ml, acc, h, s, chunk, scale, n,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), m_args[1], m_args[2], out.stride(0), out.stride(1), out.stride(2),
+        HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool, SPLIT=split,
+        BLOCK_N=block_n, BLOCK_S=BLOCK_S, D=d, D_P2=_next_pow2(d), DV=dv, DV_P2=dv_p2, num_warps=4, num_stages=2)
+    if split:
+        combine[(b * h,)](ml, acc, out, h, parts, n, out.stride(0), out.stride(1), out.stride(2),
+                          PARTS_P2=_next_pow2(parts), BLOCK_N=block_n, DV=dv, DV_P2=dv_p2, num_warps=4)
+    return out
+
+
+@decode_attention.register_fake
+def _(q, k, v, mask=None, scale=None):
+    torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+                 lambda: f"shapewise::decode_attention: q, k, v must be 4-D, got {q.dim()}, {k.dim()}, {v.dim()}")
+    torch._check(q.shape[-1] == k.shape[-1],
+                 lambda: f"shapewise::decode_attention: q's head dim {q.shape[-1]} != k's {k.shape[-1]}")
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
