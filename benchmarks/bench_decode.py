@@ -10,22 +10,26 @@ Contenders (each on its own copy of the weights):
   eager        transformers' forward, static cache, no compile (``disable_compile``);
   hf_recipe    transformers' own recipe: the static cache and ``torch.compile(mode="reduce-overhead",
                fullgraph=True)`` of the forward (``generate()``'s ``CompileConfig``);
-  sw_full      ``sw.compile_generate(..., static_cache=True, cudagraphs="full")`` (the forward one
-               piece: compile_generate splits nothing under full graphs; q/k/v and gate/up fused,
-               ``FuseProjections``, its default since 2026-12-03);
-  sw_full_nofuse  ``sw_full`` with ``fuse_projections=False`` (seven matmuls a layer);
+  sw_full      ``sw.compile_generate(..., static_cache=True, cudagraphs="full")`` with its defaults
+               (the forward one piece: compile_generate splits nothing under full graphs; q/k/v and
+               gate/up fused, ``FuseProjections``, since 2026-12-03; from 2026-12-03 18:00 also
+               ``GroupedDecodeAttention`` in shapewise's decode kernel and Inductor's combo kernels);
+  sw_full_plain   ``sw_full`` with ``grouped_decode=False, combo_kernels=False`` (the default before
+               2026-12-03 18:00);
+  sw_full_nofuse  ``sw_full_plain`` with ``fuse_projections=False`` (seven matmuls a layer);
   sw_full_split   ``sw_full`` with ``splitting_ops=("sdpa",)``: pieces split at SDPA, so Inductor
-               does not fuse across the attention (compile_generate's default before 2026-12-03);
+               does not fuse across the attention (nor can GroupedDecodeAttention see it;
+               compile_generate's default before 2026-12-03);
   sw_full_and_piecewise   ``cudagraphs={"mode": "full_and_piecewise"}`` (split at SDPA; decode, one
                token, is a full graph; prefill piecewise);
   sw_full_gemv    ``sw_full`` with ``graph_passes=[DecodeGemv()]``: at decode every linear, the
                fused groups too (``gemv_group``), in shapewise's Triton GEMV, not cuBLAS;
-  sw_full_combo   ``sw_full`` with Inductor's ``combo_kernels`` for the static variants:
-               independent small kernels (a layer's rotary, cache writes, counter) in one launch;
-  sw_full_gqa     ``sw_full`` with ``graph_passes=[GroupedDecodeAttention()]``: the decode step's
-               attention reads the cache's 8 KV heads, not 32 repeated copies of them, in shapewise's
-               decode kernel (``shapewise::decode_attention``; before 2026-12-03 18:00, SDPA);
-  sw_full_combo_gqa  both.
+  sw_full_combo   ``sw_full`` with ``grouped_decode=False``: of the two, Inductor's combo kernels only
+               (independent small kernels, a layer's rotary, cache writes, counter, in one launch);
+  sw_full_gqa     ``sw_full`` with ``combo_kernels=False``: of the two, ``GroupedDecodeAttention`` only
+               (the decode step's attention reads the cache's 8 KV heads, not 32 repeated copies of
+               them, in ``shapewise::decode_attention``; before 2026-12-03 18:00, SDPA).
+  (``sw_full_combo_gqa``, both, is ``sw_full`` from 2026-12-03 18:00.)
 
 The decode step is the call ``generate()`` makes: its arguments are recorded from
 ``prepare_inputs_for_generation`` at the last decode step of a warm-up generation (input_ids
@@ -76,8 +80,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shapewise as sw  # noqa: E402
 from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
-CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_nofuse", "sw_full_split", "sw_full_and_piecewise",
-              "sw_full_gemv", "sw_full_combo", "sw_full_gqa", "sw_full_combo_gqa")
+CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_plain", "sw_full_nofuse", "sw_full_split",
+              "sw_full_and_piecewise", "sw_full_gemv", "sw_full_combo", "sw_full_gqa")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -101,18 +105,14 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
 
         model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
         return None
-    graphs = {"sw_full": "full", "sw_full_and_piecewise": {"mode": "full_and_piecewise"},
-              "sw_full_split": "full", "sw_full_nofuse": "full", "sw_full_gemv": "full", "sw_full_combo": "full",
-              "sw_full_gqa": "full", "sw_full_combo_gqa": "full"}[name]
-    split = {"splitting_ops": ("sdpa",)} if name == "sw_full_split" else {}
-    if name == "sw_full_nofuse":
-        split["fuse_projections"] = False
-    if name == "sw_full_gemv":  # every linear at decode in the Triton GEMV, the fused groups too
-        split["graph_passes"] = [sw.library.DecodeGemv()]
-    if name in ("sw_full_combo", "sw_full_combo_gqa"):  # Inductor's combo kernels: independent small kernels
-        split["static_options"] = {"combo_kernels": True}                # in one launch
-    if name in ("sw_full_gqa", "sw_full_combo_gqa"):  # the decode attention over the cache's KV heads
-        split["graph_passes"] = [sw.library.GroupedDecodeAttention()]
+    graphs = {"sw_full_and_piecewise": {"mode": "full_and_piecewise"}}.get(name, "full")
+    split = {"sw_full": {}, "sw_full_and_piecewise": {},
+             "sw_full_plain": {"grouped_decode": False, "combo_kernels": False},
+             "sw_full_nofuse": {"grouped_decode": False, "combo_kernels": False, "fuse_projections": False},
+             "sw_full_split": {"splitting_ops": ("sdpa",)},
+             # every linear at decode in the Triton GEMV, the fused groups too
+             "sw_full_gemv": {"graph_passes": [sw.library.DecodeGemv()]},
+             "sw_full_combo": {"grouped_decode": False}, "sw_full_gqa": {"combo_kernels": False}}[name]
     return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
                                backend="inductor", cudagraphs=graphs if device == "cuda" else False,
                                progress=False, **split)
@@ -319,7 +319,9 @@ def is_copy_kernel(name: str) -> bool:
     ``..._fused_clone_0``, ``..._fused_index_copy_0``). An Inductor kernel that fuses a copy with
     compute (``triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0``: an RMSNorm, whose dtype cast
     is a ``_to_copy``) is not one; these were counted as copies before 2026-12-03."""
-    if "copy_kernel" in name or "catarraybatchedcopy" in name or "copyfunctor" in name:  # (a foreach copy)
+    if "copy_kernel" in name or "catarraybatchedcopy" in name:
+        return True
+    if "multi_tensor_apply_kernel" in name and "native::copy<" in name:  # ``_foreach_copy_``
         return True
     for prefix in ("triton_poi_fused_", "triton_per_fused_", "triton_red_fused_"):
         if name.startswith(prefix):

@@ -154,6 +154,7 @@ def _borrowing_generate(model: torch.nn.Module) -> Any:
 def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
                      prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
                      static_cache: bool = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
+                     grouped_decode: bool | None = None, combo_kernels: bool | None = None,
                      **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
@@ -176,6 +177,14 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     capture: on the H200 at 1B shapes the step's GPU time falls 17%. Without graphs each call of
     the op costs more host time (~29 µs on a 2-core CPU) than the matmul launches it saves (a
     16-layer decode step on the CPU: 4.1 ms fused, 2.2 unfused; benchmarks/bench_fuse_cpu.py).
+    ``grouped_decode``: run ``sw.library.GroupedDecodeAttention`` (a decode step's grouped-query
+    attention over the cache's own KV heads, in shapewise's decode kernel, not over transformers'
+    repeated copies of them). ``combo_kernels``: Inductor's combo kernels for the static variants
+    (``static_options={"combo_kernels": True}``: independent small kernels, such as a layer's rotary
+    and cache writes, in one launch). Both by default (None) on where the forward is one CUDA graph
+    per size (``cudagraphs="full"``, a model on a GPU), where the attention is in the graph the
+    pass sees and launches are what a step is made of: on the H200 at 1B shapes, with both, 197
+    kernels a step against 250 and 1106 against 1229 µs (benchmarks/results/decode_h200/decode_kernel).
     With CUDA graphs, ``model.generate`` is wrapped too: a call that keeps no output tensor of
     a step past the next step (greedy or sampled decoding without returned hidden states or
     attentions) runs inside ``shapewise.dispatch.borrowed_outputs()``, so each step's logits are
@@ -232,17 +241,31 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     # With a static cache on a GPU, generate() would wrap the forward in torch.compile itself.
     model.generation_config.disable_compile = True
     options.setdefault("direct_call", True)
+    first = next(iter(model.parameters()), None)
+    on_gpu = first is not None and first.device.type == "cuda"
+    full = cudagraphs_options(options.get("cudagraphs", False)).get("mode") == "full"
     if fuse_projections is None:
-        first = next(iter(model.parameters()), None)
-        fuse_projections = bool(first is not None and first.device.type == "cuda"
-                                and options.get("cudagraphs", False))  # {} is off, as cudagraphs_options says
+        fuse_projections = bool(on_gpu and options.get("cudagraphs", False))  # {} is off, as cudagraphs_options says
+    if grouped_decode is None:
+        grouped_decode = on_gpu and full
+    if combo_kernels is None:
+        combo_kernels = on_gpu and full
+    passes = list(options.get("graph_passes", ()))
+    if grouped_decode:
+        from shapewise.library.grouped_decode import GroupedDecodeAttention  # registers its op
+
+        if not any(isinstance(p, GroupedDecodeAttention) for p in passes):
+            passes.insert(0, GroupedDecodeAttention())
     if fuse_projections:
         from shapewise.library.fuse_projections import FuseProjections, pack_projections  # registers its op
 
         pack_projections(model)
-        options["graph_passes"] = (FuseProjections(), *options.get("graph_passes", ()))
+        passes.insert(0, FuseProjections())
+    if passes:
+        options["graph_passes"] = tuple(passes)
+    if combo_kernels:
+        options["static_options"] = {"combo_kernels": True, **(options.get("static_options") or {})}
     if splitting_ops is None:
-        full = cudagraphs_options(options.get("cudagraphs", False)).get("mode") == "full"
         splitting_ops = () if full else ("sdpa",)
     fast = ShapewiseModule(model.forward, sizes=sizes, ranges=ranges, dynamic_dims=dims,
                            splitting_ops=splitting_ops, **options)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device call (one H200): GPU tests (TESTS, default the library's), then the 1B decode step with each
-# decode option (combo kernels, GroupedDecodeAttention, both) beside the default, in one process.
+# decode option (CONTENDERS: by default compile_generate's default and its default before 2026-12-03 18:00), in one process.
 # Run from the repository root on the device machine: bash benchmarks/device/session_decode_options.sh
 set -u
 export PYTHONPATH=.
@@ -10,5 +10,5 @@ timeout "${TEST_LIMIT:-180}" python3 -m pytest -q -rfE -m gpu -p no:cacheprovide
   >"$OUT/gpu_tests.txt" 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.txt" | tail -12
 timeout "${BENCH_LIMIT:-360}" python3 benchmarks/bench_decode.py --models "${MODELS:-1b}" \
-  --contenders "${CONTENDERS:-sw_full,sw_full_combo,sw_full_gqa,sw_full_combo_gqa}" --rounds 3 \
+  --contenders "${CONTENDERS:-sw_full,sw_full_plain}" --rounds 3 \
   --generate-repeats "${REPEATS:-5}" --check-layers 2 --out "$OUT" 2>&1 | grep -v "Warn\|warn\|skipping" | tail -12

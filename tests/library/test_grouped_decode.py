@@ -147,6 +147,47 @@ def test_a_dynamic_cache_decode_with_padding_is_rewritten_over_its_range_of_leng
     assert sum(n.target == "expand" for n in decode) <= sum(n.target == "expand" for n in prefill) - repeats
 
 
+def test_compile_generate_runs_the_pass_once_where_asked():
+    model, reference = decoder("llama"), decoder("llama")
+    mine = sw.library.GroupedDecodeAttention(attention="sdpa")
+    fast = sw.compile_generate(model, prompt_sizes=[6], max_length=32, static_cache=True, backend="aot_eager",
+                               splitting_ops=(), grouped_decode=True, graph_passes=[mine])
+    ids = torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        got, want = model.generate(ids, max_new_tokens=4, do_sample=False), reference.generate(ids, max_new_tokens=4,
+                                                                                                 do_sample=False)
+    assert torch.equal(got, want)
+    nodes = [n for p in fast.runnables[-1].program.compute_pieces for var in p.variants
+             for n in (var.gm or p.gm).graph.nodes]
+    # the user's own instance (SDPA on the grouped rows), not a second one with the kernel
+    assert sum(n.meta.get("shapewise_rewrite") == "grouped_decode_attention" for n in nodes) == 2
+    assert not any(n.target is torch.ops.shapewise.decode_attention.default for n in nodes)
+    # On the CPU (no CUDA graphs) compile_generate turns neither on by itself.
+    plain = sw.compile_generate(decoder("llama"), prompt_sizes=[6], max_length=32, static_cache=True,
+                                backend="aot_eager", splitting_ops=())
+    assert not plain._options.get("graph_passes") and "combo_kernels" not in (plain._options.get("static_options") or {})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_fp32_decode_by_default_in_full_cuda_graphs_gives_eagers_tokens(name):
+    # compile_generate's default under full graphs on a GPU runs the pass (and combo kernels). In
+    # fp32 the op runs SDPA itself: its output must be laid out as its fake says.
+    model, reference = decoder(name).cuda(), decoder(name).cuda()
+    fast = sw.compile_generate(model, prompt_sizes=[8], max_length=40, static_cache=True, cudagraphs="full")
+    ids = torch.randint(0, VOCAB, (1, 8), device="cuda")
+    run = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, cache_implementation="static",
+               disable_compile=True)
+    with torch.no_grad():
+        want = reference.generate(ids, **run)
+        for _ in range(2):  # the second generate replays the captured graphs
+            assert torch.equal(model.generate(ids, **run), want)
+    nodes = [n for p in fast.runnables[-1].program.compute_pieces for var in p.variants
+             for n in (var.gm or p.gm).graph.nodes]
+    assert sum(n.target is torch.ops.shapewise.decode_attention.default for n in nodes) == \
+        model.config.num_hidden_layers
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_bf16_decode_in_full_cuda_graphs_on_the_unrepeated_cache_against_fp32(name):

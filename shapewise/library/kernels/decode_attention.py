@@ -175,7 +175,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)`` for a mask shared
     by the query rows, through the Triton kernel where it runs (module docstring)."""
     if not _fast_path(q, k, v, mask):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        # Contiguous, as the fake says: SDPA's CUDA backends return [B, n, H, D]-ordered memory, and
+        # Inductor lays out what reads the op's output by the fake's strides.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).contiguous()
     with torch.cuda.device(q.device):
         return _launch(q, k, v, mask, scale, _sms(q.device.index if q.device.index is not None
                                                   else torch.cuda.current_device()))
