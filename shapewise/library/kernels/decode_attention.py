@@ -184,9 +184,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
-            sms: int) -> torch.Tensor:
+            sms: int, parts: int | None = None) -> torch.Tensor:
     """The kernels on arguments ``_fast_path`` took (on the current device; or on the CPU under
-    ``TRITON_INTERPRET=1``, as the tests run them without a GPU)."""
+    ``TRITON_INTERPRET=1``). ``parts``: so many slices of S instead of the plan's (benchmarks)."""
     b, h, n, d = q.shape
     s, dv = k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -195,7 +195,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     out = torch.empty((b, h, n, dv), dtype=q.dtype, device=q.device)
     if mask is not None:
         mask = mask.expand(b, 1, 1, s)
-    parts, chunk = decode_attention_plan(b, h, s, sms)
+    if parts is None:
+        parts, chunk = decode_attention_plan(b, h, s, sms)
+    else:
+        chunk = _cdiv(_cdiv(s, BLOCK_S), parts) * BLOCK_S
+        parts = _cdiv(s, chunk)
     attend, combine = _kernels()
     split = parts > 1
     ml = torch.empty((b * h * parts * block_n * 2) if split else 1, dtype=torch.float32, device=q.device)
