@@ -64,6 +64,7 @@ def build_pipeline(
     dedupe: bool = True,
     progress: bool | None = None,
     lean: bool = True,
+    compile_workers: Any = 1,
     graph_passes: Sequence[Any] = (),
     inductor_passes: Sequence[Any] = (),
 ) -> Pipeline:
@@ -75,7 +76,8 @@ def build_pipeline(
           if graph_passes or inductor_passes else []),
         Lower(backend=backend, options=options or (), static_options=static_options or (),
               range_options=range_options or (), on_compile_error=on_compile_error,
-              compile=compile, cache=cache, dedupe=dedupe, progress=progress, lean=lean),
+              compile=compile, cache=cache, dedupe=dedupe, progress=progress, lean=lean,
+              compile_workers=compile_workers),
     ]
     if cudagraphs and compile != "eager_all":
         raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")
@@ -88,7 +90,7 @@ def build_pipeline(
 
 _PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "backend", "options", "static_options", "range_options",
                   "on_compile_error", "instruments", "cudagraphs", "capture_sizes", "compile", "cache", "dedupe",
-                  "progress", "lean", "graph_passes", "inductor_passes"}
+                  "progress", "lean", "compile_workers", "graph_passes", "inductor_passes"}
 
 
 def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from shapewise.backend import cudagraphs_options
-from shapewise.dispatch.graphed import borrowed_outputs
+from shapewise.dispatch.copies import borrowed_outputs
 from shapewise.errors import ConfigError
 from shapewise.module import ShapewiseModule
 

@@ -1,7 +1,7 @@
 """Run-time dispatch: the plan (data, made by the BuildDispatch and CudaGraphs passes), the
 runtime the Runnable builds from it (table, guards, compiles, graphs), and the Runnable."""
 
-from shapewise.dispatch.graphed import borrowed_outputs
+from shapewise.dispatch.copies import borrowed_outputs
 from shapewise.dispatch.plan import BuildDispatch, DispatchPlan, GraphPlan, GraphSize
 from shapewise.dispatch.runnable import Runnable
 from shapewise.dispatch.runtime import DispatchRuntime, build_runtime

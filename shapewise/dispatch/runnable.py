@@ -29,7 +29,8 @@ class CompileReport(Report):
     """``Runnable.report()``: one row per (piece, variant) (piece, key, static, seconds,
     source, backend, artifact) and a ``total``; prints as a table with a total line.
 
-    ``source``: "compiled", "reused" (an identical piece's artifact, this process), "cache"
+    ``source``: "compiled", "worker" (compiled in a worker process for this call, loaded from
+    disk: ``compile_workers``), "reused" (an identical piece's artifact, this process), "cache"
     (loaded from disk), "fallback" (failed, runs eagerly) or "pending" (lazy / background).
     """
 
@@ -47,7 +48,8 @@ class CompileReport(Report):
 
     def total_line(self) -> str:
         t = self.total
-        counts = ", ".join(f"{t[k]} {k}" for k in ("compiled", "reused", "cache", "fallback", "pending") if t.get(k))
+        kinds = ("compiled", "worker", "reused", "cache", "fallback", "pending")
+        counts = ", ".join(f"{t[k]} {k}" for k in kinds if t.get(k))
         return f"total: {t['variants']} variants ({counts or 'none'}), {t['seconds']:.2f} s"
 
     def __str__(self) -> str:

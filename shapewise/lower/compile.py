@@ -18,7 +18,7 @@ from shapewise import _compat
 from shapewise.errors import CompileError
 from shapewise.ir.program import Binding, Piece, Variant
 
-__all__ = ["MOST_PARTS", "RangeParts", "lower_variant"]
+__all__ = ["MOST_PARTS", "RangeParts", "compile_static", "lower_variant"]
 
 log = logging.getLogger("shapewise")
 
@@ -70,6 +70,14 @@ def _is_symbolic(args: list[Any]) -> bool:
     return False
 
 
+def compile_static(gm: torch.fx.GraphModule, args: Sequence[Any], options: Mapping[str, Any]) -> Any:
+    """Inductor's compile of ``gm`` at one size, from concrete (fake) ``args``, in no tracing
+    context: what ``lower_variant`` does for a static variant, and a compile worker
+    (``shapewise.lower.workers``) for the session."""
+    with _compat.fresh_tracing_context(None), _compat.no_zero_one_specialisation(False):
+        return _compat.standalone_compile(_copy_gm(gm, True), list(args), static=True, options=dict(options))
+
+
 def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping[str, Any],
                   _parts_left: list[int] | None = None) -> Callable[..., Any]:
     """Compile one (piece, variant) and return a callable taking the piece's inputs positionally.
@@ -86,6 +94,8 @@ def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping
     # Symbolic args: a range variant, or a piece whose inputs have data-dependent sizes.
     mode = _fake_mode_of(args) if _is_symbolic(args) else None
     static = mode is None
+    if static and backend == "inductor" and not reads_values(piece.gm):
+        return compile_static(piece.gm, args, options)
     # Range compiles reason size-obliviously, as the trace did, so the layouts a piece
     # produces are the ones the next piece was compiled for (otherwise an undecided stride
     # order, n vs 3, is decided by the hint, against the trace). Except in training where no

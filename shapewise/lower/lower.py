@@ -9,6 +9,7 @@ go through the on-disk cache (``shapewise.lower.cache``). Variants compile up fr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -31,6 +32,7 @@ from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.cache import ArtifactCache, resolve_cache
 from shapewise.lower.compile import lower_variant
 from shapewise.lower.lean import drop_size_asserts, expected_layouts, lean_call, lean_splitting_call
+from shapewise.lower.workers import WorkerPool, resolve_workers, task_bytes
 from shapewise.passes.base import Pass, register_pass
 from shapewise.version import __version__
 
@@ -40,7 +42,7 @@ log = logging.getLogger("shapewise")
 
 BACKENDS = ("inductor", "eager", "aot_eager")
 COMPILE_MODES = ("eager_all", "lazy", "background")
-SOURCES = ("compiled", "reused", "cache", "fallback")
+SOURCES = ("compiled", "worker", "reused", "cache", "fallback")
 
 
 def _input_layouts(variant: Variant) -> str:
@@ -70,8 +72,9 @@ def _backend_id(backend: Any) -> tuple[str, bool]:
 def summary_line(counts: Mapping[str, int], seconds: float, what: str = "") -> str:
     """``"shapewise: 18 variants: 6 compiled, 12 reused, 0 from cache in 7.3 s"``."""
     n = sum(counts.get(s, 0) for s in SOURCES)
-    line = (f"shapewise: {what}{n} variants: {counts.get('compiled', 0)} compiled, {counts.get('reused', 0)} reused, "
-            f"{counts.get('cache', 0)} from cache")
+    workers = f" (+{counts['worker']} in worker processes)" if counts.get("worker") else ""
+    line = (f"shapewise: {what}{n} variants: {counts.get('compiled', 0)} compiled{workers}, "
+            f"{counts.get('reused', 0)} reused, {counts.get('cache', 0)} from cache")
     if counts.get("fallback"):
         line += f", {counts['fallback']} fell back to eager"
     return f"{line} in {seconds:.1f} s"
@@ -99,6 +102,7 @@ class CompileSession:
         self._lock = threading.RLock()
         self._build: dict[frozenset, str] = {}
         self.rank, self.world = _compat.rank_and_world()
+        self.workers: WorkerPool | None = None  # compile_all's, while it runs (compile_workers > 1)
 
     # -- keys ------------------------------------------------------------------------------
     def graph_key(self, piece: Piece):
@@ -200,6 +204,8 @@ class CompileSession:
                         if got is None:
                             return None
                         fn, source = got
+                        if source == "cache" and self.workers is not None and self.workers.outcome(key) == "compiled":
+                            source = "worker"  # compiled for this session in a worker process, loaded here
                         if source == "cache" and self.world > 1:
                             compiled_by = self.cache.compiled_by(key)
                     else:
@@ -254,9 +260,14 @@ class CompileSession:
         t0 = time.perf_counter()
         before = dict(self.counts)
         done: dict[tuple[int, int], Variant] = {}
-        with self.progress(todo) as bar:
+        order = self._order(pieces)
+        if resolve_workers(self.lower.compile_workers) > 1:
+            order = self._start_workers(pieces, order)
+        with self.progress(todo) as bar, contextlib.ExitStack() as stack:
+            if self.workers is not None:
+                stack.callback(self._stop_workers)
             later = []
-            for i, j in self._order(pieces):  # never waiting for another rank: what one holds comes later
+            for i, j in order:  # never waiting for another rank: what one holds comes later
                 v = self.compile(pieces[i], pieces[i].variants[j], wait=self.world == 1)
                 if v is None:
                     later.append((i, j))
@@ -272,6 +283,49 @@ class CompileSession:
             log.info("%s", summary_line({k: self.counts[k] - before.get(k, 0) for k in SOURCES},
                                         time.perf_counter() - t0))
         return out
+
+    def _start_workers(self, pieces: Sequence[Piece], order: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Hand the distinct keys that need a static Inductor compile to worker processes
+        (``shapewise.lower.workers``); the order this session takes the variants in: what no
+        worker was given first, then the workers' from the far end of their queue."""
+        from shapewise.lower.compile import reads_values
+
+        if self.cache is None or self.lower.backend != "inductor":
+            return order
+        tasks: dict[str, bytes] = {}
+        sent: dict[tuple[int, int], str] = {}
+        for i, j in order:
+            piece, variant = pieces[i].as_compiled_for(pieces[i].variants[j]), pieces[i].variants[j]
+            if not variant.binding.is_static or variant.inductor_passes or reads_values(piece.gm):
+                continue
+            key, disk = self.variant_key(piece, variant)
+            if key is None or not disk or (self.lower.dedupe and key in self._memo):
+                continue
+            if key not in tasks:
+                if self.cache.path(key).exists():
+                    continue
+                names = piece.shapes.names if piece.shapes else {}
+                data = task_bytes(key, piece.gm, variant.example_args, self.options(piece, variant),
+                                  {"piece": piece.name, "binding": variant.binding.describe(names),
+                                   "backend": self.backend_id, "rank": self.rank, "worker": True})
+                if data is None:
+                    continue
+                tasks[key] = data
+            sent[i, j] = key
+        workers = min(resolve_workers(self.lower.compile_workers), len(tasks))
+        if workers < 2:
+            return order
+        self.workers = WorkerPool(workers, str(self.cache.root))
+        for key, data in tasks.items():
+            self.workers.submit(key, data)
+        log.info("shapewise: %d compiles handed to %d worker processes", len(tasks), workers)
+        queue_place = {k: n for n, k in enumerate(tasks)}
+        return [ij for ij in order if ij not in sent] + sorted((ij for ij in order if ij in sent),
+                                                                key=lambda ij: -queue_place[sent[ij]])
+
+    def _stop_workers(self) -> None:
+        workers, self.workers = self.workers, None
+        workers.close()
 
     def _order(self, pieces: Sequence[Piece]) -> list[tuple[int, int]]:
         """(piece, variant) positions in compile order. Alone: in order. On ``world`` ranks of
@@ -345,6 +399,9 @@ class Lower(Pass):
     ``dedupe``: pieces with the same content share one artifact per binding.
     ``cache``: None (the default folder unless ``SHAPEWISE_CACHE=0``), False, True or a folder;
     only Inductor artifacts are cached. ``progress``: None (a bar on a terminal), True, False.
+    ``compile_workers``: processes that compile the static Inductor variants at the same time as
+    this one compiles the rest (``shapewise.lower.workers``; through the disk cache, so only with
+    one); ``"auto"``: from the CPUs (``default_workers``); 1 (the default): none.
     ``lean``: call Inductor inference artifacts past AOTAutograd's runtime wrappers where those
     have nothing to do (see ``lean_call``; the report's ``lean`` column says where), compile
     static pieces without Inductor's input asserts (the runner checks what needs it, see
@@ -363,6 +420,7 @@ class Lower(Pass):
     dedupe: bool = True
     progress: Any = None
     lean: bool = True
+    compile_workers: Any = 1
 
     def __post_init__(self) -> None:
         if not callable(self.backend) and self.backend not in BACKENDS:
@@ -380,6 +438,11 @@ class Lower(Pass):
             raise ConfigError(f"dedupe must be True or False, got {self.dedupe!r}")
         if self.progress not in (None, True, False):
             raise ConfigError(f"progress must be None (auto: on a terminal), True or False, got {self.progress!r}")
+        if not (self.compile_workers == "auto" or (isinstance(self.compile_workers, int)
+                                                   and not isinstance(self.compile_workers, bool)
+                                                   and self.compile_workers >= 1)):
+            raise ConfigError(f"compile_workers must be a number of processes >= 1 (1: compile here, one variant "
+                              f"after another) or 'auto' (from the CPUs), got {self.compile_workers!r}")
         for f in ("options", "static_options", "range_options"):
             v = getattr(self, f)
             object.__setattr__(self, f, tuple(sorted(dict(v).items())) if v else ())

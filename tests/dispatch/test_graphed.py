@@ -206,7 +206,7 @@ def test_the_address_check_finds_the_first_input_not_where_the_capture_found_it(
 
 
 def test_fresh_inputs_of_three_dtypes_are_copied_in_by_their_bytes_in_one_foreach_copy(monkeypatch):
-    from shapewise.dispatch.graphed import CopyIn
+    from shapewise.dispatch.copies import CopyIn
 
     calls = []
     real = torch._foreach_copy_

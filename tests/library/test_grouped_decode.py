@@ -165,7 +165,8 @@ def test_compile_generate_runs_the_pass_once_where_asked():
     # On the CPU (no CUDA graphs) compile_generate turns neither on by itself.
     plain = sw.compile_generate(decoder("llama"), prompt_sizes=[6], max_length=32, static_cache=True,
                                 backend="aot_eager", splitting_ops=())
-    assert not plain._options.get("graph_passes") and "combo_kernels" not in (plain._options.get("static_options") or {})
+    options = plain._options
+    assert not options.get("graph_passes") and "combo_kernels" not in (options.get("static_options") or {})
 
 
 @pytest.mark.gpu

@@ -74,7 +74,7 @@ def test_compile_generate_refuses_what_it_chooses_itself():
 @pytest.mark.gpu
 @pytest.mark.parametrize("cudagraphs", ["full", True])
 def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch):
-    from shapewise.dispatch import graphed
+    from shapewise.dispatch import copies
 
     # The static cache is written in place by the graph: its tensors (marked with
     # mark_static_address by transformers) must be used in place, not copied into static buffers.
@@ -118,8 +118,8 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch
         [[tuple(t.shape) for _, t in c.slots] for c in copy_ins]
     assert getattr(model.generate, "shapewise_borrows", False)
     clones = []
-    real_clone = graphed.clone_tensors
-    monkeypatch.setattr(graphed, "clone_tensors", lambda tree: (clones.append(1), real_clone(tree))[1])
+    real_clone = copies.clone_tensors
+    monkeypatch.setattr(copies, "clone_tensors", lambda tree: (clones.append(1), real_clone(tree))[1])
     assert torch.equal(model.generate(prompt, max_new_tokens=16, do_sample=False), expected) and not clones
     # A generate() that keeps each step's hidden states gets copies: the same states as eager's.
     got = model.generate(prompt, **keep)
@@ -288,7 +288,7 @@ def test_a_model_given_the_whole_sequence_at_each_step_is_refused_with_the_reaso
 
 
 def test_generate_borrows_the_graphs_outputs_only_where_it_keeps_none():
-    from shapewise.dispatch.graphed import copy_out, outputs_borrowed
+    from shapewise.dispatch.copies import copy_out, outputs_borrowed
     from shapewise.generate import _borrowing_generate, _keeps_outputs
 
     model = _llama()

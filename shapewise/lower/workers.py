@@ -1,0 +1,291 @@
+"""Cold compiles over the machine's cores: a compile session's static Inductor variants compiled in
+worker processes, into the artifact cache the session shares with them, while the session itself
+compiles the rest.
+
+``Lower(compile_workers=N)`` (``sw.compile(..., compile_workers=N)``; ``"auto"``: from the CPUs this
+process may use). Before ``CompileSession.compile_all`` goes through the variants one by one, the
+distinct content keys that need a compile (static, Inductor, cacheable, not on disk yet) are handed to
+a pool of N spawned processes. Each worker gets the piece's graph (pickled: its code, not its
+traced values), its inputs' sizes, strides and dtypes (it makes fake tensors of them), the compile's
+options and the session's Inductor config; it compiles under the key's file lock and writes the
+artifact to the cache (``ArtifactCache.compile_or_load``: the rules every process sharing a cache
+folder follows). The session meanwhile takes the variants in an order that leaves the workers theirs:
+first what they were not given (range variants), then theirs from the far end of their queue, each a
+``compile_or_load`` that loads what a worker wrote, waits on the lock of one a worker is compiling,
+or compiles one no worker has started. So a worker that fails (a graph that does not pickle, a
+custom op its process does not know) costs nothing but its time: the session compiles that key
+itself. Inductor's own compile threads keep working inside each worker.
+
+Only with a disk cache (``cache`` not False): the cache is how artifacts come back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shapewise import _compat
+
+__all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes"]
+
+log = logging.getLogger("shapewise")
+
+MAX_WORKERS = 8
+# A graph whose pickle is larger than this holds tensors (constants, weights): compiled here.
+MAX_TASK_BYTES = 64 << 20
+
+
+def default_workers() -> int:
+    """Worker processes for ``compile_workers="auto"``: half the CPUs this process may use (each
+    worker's Inductor compiles Triton kernels on threads of its own), at most 8; 1 (none) below 4."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 1 if cpus < 4 else min(MAX_WORKERS, cpus // 2)
+
+
+def resolve_workers(option: Any) -> int:
+    return default_workers() if option == "auto" else int(option)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a worker needs to make a fake stand-in for one tensor input."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    device: str
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        return cls(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()), int(t.storage_offset()),
+                   t.dtype, str(t.device), bool(t.requires_grad))
+
+    def make(self) -> torch.Tensor:
+        length = _compat.storage_length(self.shape, self.stride, self.offset)
+        base = torch.empty(max(length, 1), dtype=self.dtype, device=self.device)
+        out = base.as_strided(self.shape, self.stride, self.offset)
+        return out.requires_grad_() if self.requires_grad else out
+
+
+def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options: dict[str, Any],
+               info: dict[str, Any]) -> bytes | None:
+    """One compile, pickled for a worker; None where it cannot go (an input that is neither a
+    tensor nor a number, a graph or option that does not pickle, a graph holding large tensors)."""
+    specs: list[Any] = []
+    for a in args:
+        if isinstance(a, torch.Tensor) and not _compat.is_traceable_wrapper_subclass(a):
+            specs.append(TensorSpec.of(a))
+        elif isinstance(a, (int, float, bool)) or a is None:
+            specs.append(a)
+        else:
+            return None
+    buf = io.BytesIO()
+    try:
+        pickle.dump({"key": key, "gm": _plain_copy(gm), "args": specs, "options": options, "info": info,
+                     "grad": torch.is_grad_enabled()}, buf)
+    except Exception as e:  # noqa: BLE001 - such a variant is compiled in the session
+        log.debug("shapewise: %s... is compiled here, not in a worker: %s: %s", key[:12], type(e).__name__, e)
+        return None
+    data = buf.getvalue()
+    return data if len(data) <= MAX_TASK_BYTES else None
+
+
+def _plain_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` without its nodes' traced values (fake tensors, which do not pickle; a static
+    compile traces again from its inputs)."""
+    import copy
+
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        node.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+
+
+# -- the worker side ---------------------------------------------------------------------------
+
+_STATE: dict[str, Any] = {}
+
+
+def _init_worker(config: bytes, fingerprint: str, cache_root: str, modules: Sequence[str]) -> None:
+    from torch._inductor import config as inductor_config
+
+    inductor_config.load_config(config)
+    _STATE["config_ok"] = _compat.inductor_config_fingerprint() == fingerprint
+    _STATE["cache_root"] = cache_root
+    for name in modules:  # what registered the custom ops the graphs call (shapewise's library)
+        try:
+            __import__(name)
+        except Exception as e:  # noqa: BLE001 - a graph calling its op fails and compiles in the session
+            log.debug("shapewise worker: cannot import %s: %s", name, e)
+
+
+def compile_in_worker(data: bytes) -> tuple[str, str, float]:
+    """(key, outcome, seconds): ``"compiled"``, ``"present"`` (on disk already), ``"busy"``
+    (another process holds its lock) or ``"failed: ..."``."""
+    from shapewise.lower.cache import ArtifactCache
+    from shapewise.lower.compile import compile_static
+
+    t0 = time.perf_counter()
+    key = "?"
+    try:
+        task = pickle.loads(data)
+        key = task["key"]
+        if not _STATE.get("config_ok"):
+            return key, "failed: the worker's Inductor config differs from the session's", 0.0
+        cache = ArtifactCache(_STATE["cache_root"])
+        if cache.path(key).exists():
+            return key, "present", 0.0
+        mode = _compat.FakeTensorMode()
+        with mode:
+            args = [a.make() if isinstance(a, TensorSpec) else a for a in task["args"]]
+        _traced_values(task["gm"], mode, args)
+        with torch.set_grad_enabled(task["grad"]):
+            got = cache.compile_or_load(key, lambda: compile_static(task["gm"], args, task["options"]),
+                                        task["info"], wait=False)
+        if got is None:
+            return key, "busy", time.perf_counter() - t0
+        return key, got[1], time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the session compiles this key itself
+        return key, f"failed: {type(e).__name__}: {e}", time.perf_counter() - t0
+
+
+def _traced_values(gm: torch.fx.GraphModule, mode: Any, args: list[Any]) -> None:
+    """Give ``gm``'s nodes the traced values the pickle left out (``example_value``, fake tensors
+    at these sizes): AOTAutograd's cache, whose entry the saved artifact is, asks each method
+    call whether its receiver is a tensor by them, and bypasses a graph that has none."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    with torch.no_grad() if not any(getattr(a, "requires_grad", False) for a in args) else contextlib.nullcontext():
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta.setdefault("example_value", node.meta["val"])
+
+
+def _send(stream: Any, obj: Any) -> None:
+    data = pickle.dumps(obj)
+    stream.write(len(data).to_bytes(8, "little") + data)
+    stream.flush()
+
+
+def _receive(stream: Any) -> Any:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError("the other side closed the pipe")
+    n = int.from_bytes(head, "little")
+    data = stream.read(n)
+    if len(data) < n:
+        raise EOFError("the other side closed the pipe mid-message")
+    return pickle.loads(data)
+
+
+def serve() -> None:
+    """A worker process (``python -m shapewise.lower.worker_process``): its setup, then tasks, on stdin;
+    each task's (key, outcome, seconds) on stdout; an empty task ends it."""
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # what the compile prints goes to stderr, never into the pipe
+    _init_worker(*_receive(inp))
+    while True:
+        try:
+            data = _receive(inp)
+        except EOFError:
+            return
+        if not data:
+            return
+        _send(out, compile_in_worker(data))
+
+
+# -- the session side --------------------------------------------------------------------------
+
+class WorkerPool:
+    """The worker processes of one ``compile_all`` (``python -m shapewise.lower.worker_process``, fed
+    through pipes by one thread each: no ``multiprocessing``, so no re-import of the user's
+    ``__main__``). ``submit(key, task)`` queues a compile; ``outcome(key)`` waits for it ("compiled",
+    "present", "busy", "failed: ..."; None: never sent); ``close()`` ends the workers (a task not
+    started by then is dropped: the session has done it itself)."""
+
+    def __init__(self, workers: int, cache_root: str) -> None:
+        from torch._inductor import config as inductor_config
+
+        self.setup = (inductor_config.save_config(), _compat.inductor_config_fingerprint(), cache_root,
+                      sorted(n for n in sys.modules if n.startswith("shapewise.library")))
+        self.queue: queue.Queue = queue.Queue()
+        self.futures: dict[str, Future] = {}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self.procs = [subprocess.Popen([sys.executable, "-m", "shapewise.lower.worker_process"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, env=env) for _ in range(workers)]
+        self.threads = [threading.Thread(target=self._feed, args=(p,), daemon=True, name="shapewise-compile-worker")
+                        for p in self.procs]
+        for t in self.threads:
+            t.start()
+
+    def _feed(self, proc: subprocess.Popen) -> None:
+        try:
+            _send(proc.stdin, self.setup)
+            while True:
+                item = self.queue.get()
+                if item is None:
+                    break
+                key, data, future = item
+                if not future.set_running_or_notify_cancel():  # cancelled by close(): the session did it
+                    continue
+                try:
+                    _send(proc.stdin, data)
+                    future.set_result(_receive(proc.stdout))
+                except Exception as e:  # noqa: BLE001 - the worker died: its keys go back to the session
+                    future.set_result((key, f"failed: the worker process ended ({type(e).__name__}: {e})", 0.0))
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                _send(proc.stdin, b"")
+                proc.stdin.close()
+
+    def submit(self, key: str, data: bytes) -> None:
+        future: Future = Future()
+        self.futures[key] = future
+        self.queue.put((key, data, future))
+
+    def outcome(self, key: str) -> str | None:
+        future = self.futures.get(key)
+        if future is None:
+            return None
+        if future.cancelled():
+            return "not started"
+        _, outcome, seconds = future.result()
+        log.debug("shapewise: compile worker: %s... %s (%.1f s)", key[:12], outcome, seconds)
+        if outcome.startswith("failed"):
+            log.info("shapewise: a compile worker did not compile %s...: %s", key[:12], outcome[8:])
+        return outcome
+
+    def close(self) -> None:
+        for f in self.futures.values():
+            f.cancel()  # not started yet: the session did it
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for key, f in self.futures.items():
+            if f.done() and not f.cancelled():
+                self.outcome(key)
+

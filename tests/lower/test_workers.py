@@ -1,0 +1,113 @@
+"""Cold compiles over worker processes (``compile_workers``): the session hands its static
+Inductor compiles to workers and loads what they write to the cache; a worker that fails costs
+nothing but its time; the pipe protocol of a real worker process."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+import shapewise as sw
+from shapewise.lower import workers
+from shapewise.lower.cache import ArtifactCache
+from shapewise.models import ATTENTION_OP, ToyTransformer
+from tests.helpers import assert_same
+
+pytestmark = pytest.mark.inductor
+
+
+class InlinePool(workers.WorkerPool):
+    """The pool's interface, each task run at once in this process (as a worker would run it)."""
+
+    made: list[InlinePool] = []
+    fail: set[int] = set()  # task numbers that fail as a dead worker would
+
+    def __init__(self, n: int, cache_root: str) -> None:
+        from torch._inductor import config as inductor_config
+
+        workers._init_worker(inductor_config.save_config(), sw._compat.inductor_config_fingerprint(), cache_root, [])
+        self.futures, self.n = {}, n
+        InlinePool.made.append(self)
+
+    def submit(self, key: str, data: bytes) -> None:
+        future: Future = Future()
+        broken = len(self.futures) in InlinePool.fail
+        future.set_result((key, "failed: the worker process ended (EOFError)", 0.0) if broken
+                          else workers.compile_in_worker(data))
+        self.futures[key] = future
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _model():
+    torch.manual_seed(0)
+    return ToyTransformer(dim=32, hidden=64, heads=2, vocab=64, layers=1).eval()
+
+
+def _check(fast, model, sizes=(1, 2, 4, 9)):
+    for n in sizes:
+        x = torch.randint(0, 64, (n,))
+        with torch.no_grad():
+            assert_same(fast(x), model(x), f"n={n}")
+
+
+def test_the_sessions_static_compiles_go_to_the_workers_and_come_back_through_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(workers, "WorkerPool", InlinePool)
+    monkeypatch.setattr("shapewise.lower.lower.WorkerPool", InlinePool)
+    InlinePool.made, InlinePool.fail = [], {1}  # the second task's worker dies
+    model = _model()
+    fast = sw.compile(model, sizes=[1, 2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP], cache=tmp_path,
+                      compile_workers=2, progress=False)
+    _check(fast, model)
+    (pool,) = InlinePool.made
+    assert pool.closed and pool.n == 2
+    rows = list(fast.report())
+    by_source = {}
+    for r in rows:
+        by_source.setdefault(r["source"], []).append((r["piece"], r["key"], r["static"]))
+    statics = [r for r in rows if r["static"]]
+    # every static variant went to a worker; the one whose worker died was compiled here
+    assert len(pool.futures) == len({r["artifact"] for r in statics})
+    assert sum(r["source"] == "worker" for r in statics) == len(statics) - 1, by_source
+    assert sum(r["source"] == "compiled" for r in statics) == 1, by_source
+    assert all(r["source"] == "compiled" for r in rows if not r["static"])  # ranges: this process
+    assert "(+" in sw.lower.lower.summary_line({"compiled": 4, "worker": 5}, 1.0)
+    # A warm start: every artifact on disk, nothing handed out.
+    InlinePool.made = []
+    again = sw.compile(_model(), sizes=[1, 2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP], cache=tmp_path,
+                       compile_workers=2, progress=False)
+    _check(again, model)
+    assert InlinePool.made == [] and {r["source"] for r in again.report()} == {"cache"}
+
+
+def test_a_real_worker_process_compiles_over_its_pipe_and_a_bad_task_fails_alone(tmp_path):
+    cache = ArtifactCache(tmp_path)
+    gm = torch.fx.symbolic_trace(lambda x, w: torch.relu(x @ w) + 1)
+    with sw._compat.FakeTensorMode():
+        args = [torch.empty(4, 8), torch.empty(8, 3)]
+    key = "c0" * 32
+    data = workers.task_bytes(key, gm, args, {}, {"piece": "test"})
+    assert data is not None
+    pool = workers.WorkerPool(1, str(cache.root))
+    try:
+        pool.submit("ba" * 32, b"not a pickle")
+        pool.submit(key, data)
+        assert pool.outcome("ba" * 32).startswith("failed: UnpicklingError")
+        assert pool.outcome(key) == "compiled"
+        assert pool.outcome("ff" * 32) is None  # never sent
+    finally:
+        pool.close()
+    fn = cache.load(key)
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    assert_same(fn(x, w)[0] if isinstance(fn(x, w), (tuple, list)) else fn(x, w), torch.relu(x @ w) + 1, "loaded")
+
+
+def test_the_option_is_checked():
+    for bad in (0, -1, True, "many", 1.5):
+        with pytest.raises(sw.ConfigError, match="compile_workers must be"):
+            sw.Lower(compile_workers=bad)
+    assert sw.Lower(compile_workers="auto").compile_workers == "auto"
+    assert 1 <= workers.default_workers() <= workers.MAX_WORKERS
