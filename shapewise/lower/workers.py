@@ -5,7 +5,8 @@ compiles the rest.
 ``Lower(compile_workers=N)`` (``sw.compile(..., compile_workers=N)``; ``"auto"``: from the CPUs this
 process may use). Before ``CompileSession.compile_all`` goes through the variants one by one, the
 distinct content keys that need a compile (static, Inductor, cacheable, not on disk yet) are handed to
-a pool of N spawned processes. Each worker gets the piece's graph (pickled: its code, not its
+N worker processes (``python -m shapewise.lower.worker_process``, started on first use and kept for
+the process's later compiles: a model's traces compile one after another). Each worker gets the piece's graph (pickled: its code, not its
 traced values), its inputs' sizes, strides and dtypes (it makes fake tensors of them), the compile's
 options and the session's Inductor config; it compiles under the key's file lock and writes the
 artifact to the cache (``ArtifactCache.compile_or_load``: the rules every process sharing a cache
@@ -21,6 +22,7 @@ Only with a disk cache (``cache`` not False): the cache is how artifacts come ba
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import logging
@@ -47,6 +49,9 @@ log = logging.getLogger("shapewise")
 MAX_WORKERS = 8
 # A graph whose pickle is larger than this holds tensors (constants, weights): compiled here.
 MAX_TASK_BYTES = 64 << 20
+# How long a session waits to hear from a worker whose artifact it loaded (to report it as the
+# worker's); it wrote the file and reports at once, so this is only a bound.
+OUTCOME_WAIT_S = 10.0
 
 
 def default_workers() -> int:
@@ -213,20 +218,15 @@ def serve() -> None:
 
 # -- the session side --------------------------------------------------------------------------
 
-class WorkerPool:
-    """The worker processes of one ``compile_all`` (``python -m shapewise.lower.worker_process``, fed
-    through pipes by one thread each: no ``multiprocessing``, so no re-import of the user's
-    ``__main__``). ``submit(key, task)`` queues a compile; ``outcome(key)`` waits for it ("compiled",
-    "present", "busy", "failed: ..."; None: never sent); ``close()`` ends the workers (a task not
-    started by then is dropped: the session has done it itself)."""
+class _Processes:
+    """The worker processes (``python -m shapewise.lower.worker_process``), each fed through its
+    pipes by one thread of this process: no ``multiprocessing``, so no re-import of the user's
+    ``__main__``. Shared by the compile sessions of a process (``_processes``): a model's traces
+    compile one after another, and a worker costs seconds to start (it imports torch)."""
 
-    def __init__(self, workers: int, cache_root: str) -> None:
-        from torch._inductor import config as inductor_config
-
-        self.setup = (inductor_config.save_config(), _compat.inductor_config_fingerprint(), cache_root,
-                      sorted(n for n in sys.modules if n.startswith("shapewise.library")))
+    def __init__(self, workers: int, setup: tuple) -> None:
+        self.setup = setup
         self.queue: queue.Queue = queue.Queue()
-        self.futures: dict[str, Future] = {}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.procs = [subprocess.Popen([sys.executable, "-m", "shapewise.lower.worker_process"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env) for _ in range(workers)]
@@ -234,6 +234,9 @@ class WorkerPool:
                         for p in self.procs]
         for t in self.threads:
             t.start()
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs) and all(t.is_alive() for t in self.threads)
 
     def _feed(self, proc: subprocess.Popen) -> None:
         try:
@@ -243,7 +246,7 @@ class WorkerPool:
                 if item is None:
                     break
                 key, data, future = item
-                if not future.set_running_or_notify_cancel():  # cancelled by close(): the session did it
+                if not future.set_running_or_notify_cancel():  # cancelled: its session did it
                     continue
                 try:
                     _send(proc.stdin, data)
@@ -256,18 +259,81 @@ class WorkerPool:
                 _send(proc.stdin, b"")
                 proc.stdin.close()
 
-    def submit(self, key: str, data: bytes) -> None:
+    def submit(self, key: str, data: bytes) -> Future:
         future: Future = Future()
-        self.futures[key] = future
         self.queue.put((key, data, future))
+        return future
 
-    def outcome(self, key: str) -> str | None:
+    def shutdown(self) -> None:
+        for _ in self.threads:
+            self.queue.put(None)
+        for t in self.threads:
+            t.join(timeout=60)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+_SHARED: list[_Processes] = []
+_SHARED_LOCK = threading.Lock()
+
+
+def _processes(workers: int, cache_root: str) -> _Processes:
+    """The process-wide workers, started (again) where there are none, fewer than ``workers``,
+    dead ones, or ones set up for another cache folder, Inductor config or set of shapewise's
+    custom-op modules."""
+    from torch._inductor import config as inductor_config
+
+    modules = sorted(n for n in sys.modules if n.startswith("shapewise.library"))
+    fingerprint = _compat.inductor_config_fingerprint()
+    with _SHARED_LOCK:
+        if _SHARED:
+            old = _SHARED[0]
+            _, was_fingerprint, was_root, was_modules = old.setup
+            if (was_fingerprint, was_root, was_modules) == (fingerprint, cache_root, modules) \
+                    and len(old.procs) >= workers and old.alive():
+                return old
+            _SHARED.clear()
+            old.shutdown()
+        else:
+            atexit.register(_shutdown_shared)
+        made = _Processes(workers, (inductor_config.save_config(), fingerprint, cache_root, modules))
+        _SHARED.append(made)
+        return made
+
+
+def _shutdown_shared() -> None:
+    with _SHARED_LOCK:
+        for p in _SHARED:
+            p.shutdown()
+        _SHARED.clear()
+
+
+class WorkerPool:
+    """One ``compile_all``'s use of the workers: ``submit(key, task)`` queues a compile;
+    ``outcome(key)`` is what became of it ("compiled", "present", "busy", "failed: ...", "not
+    started"; None: never sent); ``close()`` drops what no worker has started (the session has done
+    it itself by then). The processes stay for the next session."""
+
+    def __init__(self, workers: int, cache_root: str) -> None:
+        self.processes = _processes(workers, cache_root)
+        self.futures: dict[str, Future] = {}
+
+    def submit(self, key: str, data: bytes) -> None:
+        self.futures[key] = self.processes.submit(key, data)
+
+    def outcome(self, key: str, timeout: float = OUTCOME_WAIT_S) -> str | None:
         future = self.futures.get(key)
         if future is None:
             return None
         if future.cancelled():
             return "not started"
-        _, outcome, seconds = future.result()
+        try:
+            _, outcome, seconds = future.result(timeout=timeout)
+        except TimeoutError:
+            return "running"
         log.debug("shapewise: compile worker: %s... %s (%.1f s)", key[:12], outcome, seconds)
         if outcome.startswith("failed"):
             log.info("shapewise: a compile worker did not compile %s...: %s", key[:12], outcome[8:])
@@ -276,16 +342,6 @@ class WorkerPool:
     def close(self) -> None:
         for f in self.futures.values():
             f.cancel()  # not started yet: the session did it
-        for _ in self.threads:
-            self.queue.put(None)
-        for t in self.threads:
-            t.join()
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
         for key, f in self.futures.items():
             if f.done() and not f.cancelled():
                 self.outcome(key)
-
