@@ -14,7 +14,7 @@ import sympy
 import torch
 
 from shapewise import _compat
-from shapewise.backend import _PIPELINE_KEYS, DEFAULT_DIM_NAME, _op_list, build_pipeline, shapewise_backend
+from shapewise.backend import _PIPELINE_KEYS, DEFAULT_DIM_NAME, _op_list, build_pipeline, shapewise_backend, warm_up
 from shapewise.concretize import check_sizes, make_bindings, refusal
 from shapewise.direct import MISS, DirectCalls, bound_module, build_direct_call, self_in_args
 from shapewise.dispatch.runnable import CompileReport, Runnable
@@ -74,8 +74,8 @@ class ShapewiseModule:
         self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,
                              **pipeline_options)
         build_pipeline(**self._options)  # validates op names, backend, options before any trace
-        if backend == "inductor" and torch.cuda.is_available():
-            _compat.warm_compile_workers()
+        if backend == "inductor":
+            warm_up(self._options)  # Inductor's compile threads; shapewise's compile workers where asked
         self._on_miss = on_miss
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}

@@ -5,9 +5,11 @@ compiles the rest.
 ``Lower(compile_workers=N)`` (``sw.compile(..., compile_workers=N)``; ``"auto"``: from the CPUs this
 process may use). Before ``CompileSession.compile_all`` goes through the variants one by one, the
 distinct content keys that need a compile (static, Inductor, cacheable, not on disk yet) are handed to
-N worker processes (``python -m shapewise.lower.worker_process``, started on first use and kept for
-the process's later compiles: a model's traces compile one after another). Each worker gets the piece's graph (pickled: its code, not its
-traced values), its inputs' sizes, strides and dtypes (it makes fake tensors of them), the compile's
+N worker processes (``python -m shapewise.lower.worker_process``, started with the model's
+``ShapewiseModule`` so that their imports run during Dynamo's trace, and kept for the process's later
+compiles: a model's traces compile one after another). Each worker gets the piece's graph (pickled,
+without its traced values), its inputs' sizes, strides and dtypes (it makes fake tensors of them,
+and of the graph's values from them), the compile's
 options and the session's Inductor config; it compiles under the key's file lock and writes the
 artifact to the cache (``ArtifactCache.compile_or_load``: the rules every process sharing a cache
 folder follows). The session meanwhile takes the variants in an order that leaves the workers theirs:
@@ -33,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +44,7 @@ import torch
 
 from shapewise import _compat
 
-__all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes"]
+__all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes", "warm_up"]
 
 log = logging.getLogger("shapewise")
 
@@ -111,15 +113,31 @@ def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options:
     return data if len(data) <= MAX_TASK_BYTES else None
 
 
-def _plain_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm`` without its nodes' traced values (fake tensors, which do not pickle; a static
-    compile traces again from its inputs)."""
+def _plain_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.Graph, dict[str, Any]]:
+    """``gm`` as a worker rebuilds it: its graph without the nodes' traced values (fake tensors,
+    which do not pickle; the worker traces them again from its inputs), and the attributes its
+    ``get_attr`` nodes read. The graph itself, not the GraphModule: unpickling a GraphModule traces
+    its generated code again with FX's symbolic tracer, which a Dynamo graph does not survive
+    (slices by sizes, ``if`` on a tensor)."""
     import copy
 
     graph = copy.deepcopy(gm.graph)
+    attrs: dict[str, Any] = {}
     for node in graph.nodes:
         node.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
-    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+        if node.op == "call_module":
+            raise TypeError(f"a call_module node ({node.target}): the worker would need the module")
+        if node.op == "get_attr":
+            value = gm
+            for part in str(node.target).split("."):
+                value = getattr(value, part)
+            attrs[str(node.target)] = value
+    return graph, attrs
+
+
+def _rebuilt(payload: tuple[torch.fx.Graph, dict[str, Any]]) -> torch.fx.GraphModule:
+    graph, attrs = payload
+    return torch.fx.GraphModule(attrs, graph)
 
 
 # -- the worker side ---------------------------------------------------------------------------
@@ -156,12 +174,13 @@ def compile_in_worker(data: bytes) -> tuple[str, str, float]:
         cache = ArtifactCache(_STATE["cache_root"])
         if cache.path(key).exists():
             return key, "present", 0.0
-        mode = _compat.FakeTensorMode()
+        gm = _rebuilt(task["gm"])
+        mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)  # (a graph's own constants are real)
         with mode:
             args = [a.make() if isinstance(a, TensorSpec) else a for a in task["args"]]
-        _traced_values(task["gm"], mode, args)
+        _traced_values(gm, mode, args)
         with torch.set_grad_enabled(task["grad"]):
-            got = cache.compile_or_load(key, lambda: compile_static(task["gm"], args, task["options"]),
+            got = cache.compile_or_load(key, lambda: compile_static(gm, args, task["options"]),
                                         task["info"], wait=False)
         if got is None:
             return key, "busy", time.perf_counter() - t0
@@ -309,6 +328,21 @@ def _shutdown_shared() -> None:
         for p in _SHARED:
             p.shutdown()
         _SHARED.clear()
+
+
+def warm_up(options: Mapping[str, Any]) -> None:
+    """Before a model's first trace (``ShapewiseModule``): Inductor's compile threads (on CUDA), and
+    the compile worker processes its options ask for, so that their start (each imports torch)
+    runs while Dynamo traces."""
+    from shapewise.lower.cache import resolve_cache
+
+    if torch.cuda.is_available():
+        _compat.warm_compile_workers()
+    workers = resolve_workers(options.get("compile_workers", 1))
+    if workers > 1 and (options.get("backend", "inductor") == "inductor"):
+        cache = resolve_cache(options.get("cache"))
+        if cache is not None:
+            _processes(workers, str(cache.root))
 
 
 class WorkerPool:
