@@ -1,0 +1,100 @@
+"""Device script: the cold start of ``compile_generate`` on the Llama-3.2-1B shapes, one variant after
+another against ``compile_workers`` processes, each in a fresh process with empty shapewise and
+Inductor caches.
+
+The child builds the model (random weights, bf16, on the GPU), calls ``sw.compile_generate(model,
+prompt_sizes=SIZES, max_length=512, static_cache=True, cudagraphs="full", compile_workers=W)`` and
+times its first ``generate()`` (prompt 64, 8 new tokens): both traces, every variant's compile (or its
+load from a worker), the CUDA graph captures. It also checks the tokens against the same model's
+eager ``generate()``. The parent runs the children one after another, alternating W, and writes
+``cold_generate.json`` under ``--out``.
+
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZES = (16, 32, 64, 128, 256)
+
+
+def child(workers: int) -> dict:
+    t0 = time.perf_counter()
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    import shapewise as sw
+    from benchmarks.bench_generate import LLAMA_1B, llama
+
+    model = llama(LLAMA_1B, "cuda", torch.bfloat16)
+    ids = torch.randint(0, 1000, (1, 64), device="cuda")
+    with torch.no_grad():
+        model.generation_config.disable_compile = True
+        want = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              cache_implementation="static")
+    setup_s = time.perf_counter() - t0
+    t = time.perf_counter()
+    fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
+                               cudagraphs="full", compile_workers=workers, progress=False)
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t
+    rows = list(fast.report())
+    sources: dict[str, int] = {}
+    for r in rows:
+        sources[r["source"]] = sources.get(r["source"], 0) + 1
+    return {"workers": workers, "first_generate_s": round(first_s, 2), "setup_s": round(setup_s, 2),
+            "variant_seconds": round(sum(r["seconds"] for r in rows), 2), "sources": sources,
+            "tokens_equal_eager_bf16": bool(torch.equal(got, want)), "traces": fast.traces}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workers", default="1,6")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=200)
+    ap.add_argument("--child", type=int, default=None)
+    args = ap.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.child)))
+        return
+    results = []
+    for _ in range(args.repeats):
+        for w in [int(x) for x in args.workers.split(",")]:
+            with tempfile.TemporaryDirectory() as d:
+                env = {**os.environ, "SHAPEWISE_CACHE_DIR": f"{d}/sw", "TORCHINDUCTOR_CACHE_DIR": f"{d}/inductor",
+                       "PYTHONPATH": str(ROOT)}
+                env.pop("SHAPEWISE_CACHE", None)
+                t = time.perf_counter()
+                try:
+                    proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--child", str(w)], env=env,
+                                          capture_output=True, text=True, timeout=args.timeout)
+                    row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
+                        {"workers": w, "error": proc.stderr[-2000:]}
+                except subprocess.TimeoutExpired:
+                    row = {"workers": w, "error": f"timed out after {args.timeout} s"}
+                row["process_s"] = round(time.perf_counter() - t, 2)
+                print(json.dumps(row), flush=True)
+                results.append(row)
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cold_generate.json").write_text(json.dumps(
+        {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+         "prompt_sizes": SIZES, "rows": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
