@@ -219,11 +219,11 @@ def _receive(stream: Any) -> Any:
     return pickle.loads(data)
 
 
-def serve() -> None:
+def serve(out: Any) -> None:
     """A worker process (``python -m shapewise.lower.worker_process``): its setup, then tasks, on stdin;
-    each task's (key, outcome, seconds) on stdout; an empty task ends it."""
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # what the compile prints goes to stderr, never into the pipe
+    each task's (key, outcome, seconds) on ``out`` (the process's stdout, which nothing else writes
+    to); an empty task ends it."""
+    inp = sys.stdin.buffer
     _init_worker(*_receive(inp))
     while True:
         try:
