@@ -12,10 +12,10 @@ Contenders (each on its own copy of the weights):
                fullgraph=True)`` of the forward (``generate()``'s ``CompileConfig``);
   sw_full      ``sw.compile_generate(..., static_cache=True, cudagraphs="full")`` with its defaults
                (the forward one piece: compile_generate splits nothing under full graphs; q/k/v and
-               gate/up fused, ``FuseProjections``, since 2026-12-03; from 2026-12-03 18:00 also
+               gate/up fused, ``FuseProjections``, since 2026-12-03; from fe44f12 (2026-12-03) also
                ``GroupedDecodeAttention`` in shapewise's decode kernel and Inductor's combo kernels);
   sw_full_plain   ``sw_full`` with ``grouped_decode=False, combo_kernels=False`` (the default before
-               2026-12-03 18:00);
+               fe44f12, 2026-12-03);
   sw_full_nofuse  ``sw_full_plain`` with ``fuse_projections=False`` (seven matmuls a layer);
   sw_full_split   ``sw_full`` with ``splitting_ops=("sdpa",)``: pieces split at SDPA, so Inductor
                does not fuse across the attention (nor can GroupedDecodeAttention see it;
@@ -28,8 +28,8 @@ Contenders (each on its own copy of the weights):
                (independent small kernels, a layer's rotary, cache writes, counter, in one launch);
   sw_full_gqa     ``sw_full`` with ``combo_kernels=False``: of the two, ``GroupedDecodeAttention`` only
                (the decode step's attention reads the cache's 8 KV heads, not 32 repeated copies of
-               them, in ``shapewise::decode_attention``; before 2026-12-03 18:00, SDPA).
-  (``sw_full_combo_gqa``, both, is ``sw_full`` from 2026-12-03 18:00.)
+               them, in ``shapewise::decode_attention``; before fe44f12, SDPA).
+  (``sw_full_combo_gqa``, both, is ``sw_full`` from fe44f12.)
 
 The decode step is the call ``generate()`` makes: its arguments are recorded from
 ``prepare_inputs_for_generation`` at the last decode step of a warm-up generation (input_ids

@@ -37,7 +37,9 @@ EXPECTED = {
                         "aot_eager; median of 30 calls", "tanh / exact",
                         "{q, k, v, o} -> [256, 64]",
                         "shapewise.linear_group.default(l_x_, [q_weight, k_weight, v_weight], [])",
-                        "linear_group.default(h, [gate_weight, up_weight], [gate_bias, up_bias])"],
+                        "linear_group.default(h, [gate_weight, up_weight], [gate_bias, up_bias])",
+                        "shapewise.decode_attention.default(reshape_2, l_k_, l_v_, l_mask_, None)",
+                        "3 tokens rewritten: False"],
 }
 
 

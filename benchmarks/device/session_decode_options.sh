@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device call (one H200): GPU tests (TESTS, default the library's), then the 1B decode step with each
-# decode option (CONTENDERS: by default compile_generate's default and its default before 2026-12-03 18:00), in one process.
+# decode option (CONTENDERS: by default compile_generate's default and its default before fe44f12), in one process.
 # Run from the repository root on the device machine: bash benchmarks/device/session_decode_options.sh
 set -u
 export PYTHONPATH=.
