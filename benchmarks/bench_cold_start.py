@@ -9,7 +9,9 @@ processes:
   warm+  -- as warm, but Inductor's one-time per-cache-folder warm-up (on CPU: compiling and
             loading its vector-ISA probes) is run and timed first, so what is left is
             shapewise's own loading;
-and once, for the middle layer count, cold with ``dedupe=False, cache=False`` (each piece goes
+with ``--workers N``, cold again with ``compile_workers=N`` (worker processes compile the static
+variants into the cache while the child compiles the rest; empty caches of its own); and once, for
+the middle layer count, cold with ``dedupe=False, cache=False`` (each piece goes
 to Inductor, whose own FX graph cache still shares the identical ones), and the same with
 Inductor's FX graph and AOTAutograd caches off too (every piece really compiled).
 
@@ -66,8 +68,9 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     static_options = {"max_autotune": True} if cfg.get("max_autotune") else None
     fast = sw.compile(model, sizes=cfg["sizes"], ranges=[tuple(r) for r in cfg["ranges"]],
                       splitting_ops=[ATTENTION_OP], backend="inductor", dedupe=cfg["dedupe"],
-                      cache=cfg.get("cache", None), static_options=static_options, progress=False)
-    out: dict[str, Any] = {"import_s": import_s}
+                      cache=cfg.get("cache", None), static_options=static_options, progress=False,
+                      compile_workers=cfg.get("workers", 1))
+    out: dict[str, Any] = {"import_s": import_s, "workers": cfg.get("workers", 1)}
     if cfg.get("inductor_warmup"):
         t = time.perf_counter()
         warm = _inductor_warmup(device)
@@ -93,7 +96,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         out["max_rel_err"], out["eager_max_rel_err"] = max(errors), max(eager_errors)
         out["correct"] = all(e <= 2 * ee + slack for e, ee in zip(errors, eager_errors))
     total = fast.report().total
-    out.update({k: total.get(k, 0) for k in ("variants", "compiled", "reused", "cache", "fallback")})
+    out.update({k: total.get(k, 0) for k in ("variants", "compiled", "worker", "reused", "cache", "fallback")})
     out["variant_seconds"] = total["seconds"]
     out["pieces"] = len(fast.program.compute_pieces)
     return out
@@ -193,6 +196,16 @@ def table(results: dict[str, Any]) -> str:
                       f"({same['compiled']} pieces compiled); without ({nd['compiled']} pieces sent to Inductor, "
                       f"whose FX graph cache still shares identical ones) {nd['first_call_s']:.1f} s"
                   + (f"; without, Inductor's caches off too {nd2['first_call_s']:.1f} s." if nd2 else ".")]
+    if any("cold_workers" in r for r in results["runs"]):
+        w = results["runs"][0]["cold_workers"].get("workers", "?")
+        lines += ["", f"Cold with {w} compile worker processes (`compile_workers={w}`; its own empty caches) against "
+                      "one variant after another (issue 29):", "",
+                  "| layers | serial cold s | with workers s | with workers / serial | compiled here / in workers |",
+                  "|---|---:|---:|---:|---|"]
+        for r in results["runs"]:
+            c, cw = r["cold"], r["cold_workers"]
+            lines.append(f"| {r['layers']} | {c['first_call_s']:.1f} | {cw['first_call_s']:.1f} | "
+                         f"{cw['first_call_s'] / c['first_call_s']:.2f} | {cw['compiled']} / {cw.get('worker', 0)} |")
     t = results["targets"]
     lines += ["", "Targets (issue 3): warm start <= 10% of cold: "
               f"{'met' if t['warm_le_10pct'] else 'NOT met'} (worst warm/cold {t['worst_warm_ratio']:.0%}; "
@@ -224,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="layers 2,4; sizes 1,4; no range (smoke test)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     parser.add_argument("--repeats", type=int, default=1, help="runs of everything, interleaved; medians reported")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="also a cold start with this many compile worker processes (compile_workers; 1: none)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -245,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"hardware": hardware(args.device),
                                "config": {**base_cfg, "layers": layers, "repeats": args.repeats}, "runs": []}
-    samples: dict[int, dict[str, list[dict[str, Any]]]] = {n: {"cold": [], "warm": [], "warm_plus": []}
-                                                           for n in layers}
+    runs_of = {"cold": {}, **({"cold_workers": {"workers": args.workers}} if args.workers > 1 else {}),
+               "warm": {}, "warm_plus": {"inductor_warmup": True}}
+    samples: dict[int, dict[str, list[dict[str, Any]]]] = {n: {k: [] for k in runs_of} for n in layers}
     baseline_layers = None if args.no_baseline or len(layers) < 2 else (
         layers[len(layers) // 2] if len(layers) > 2 else layers[-1])
     baselines: dict[str, list[dict[str, Any]]] = {"no_dedupe": [], "no_dedupe_no_inductor_cache": []}
@@ -266,11 +282,13 @@ def main(argv: list[str] | None = None) -> int:
             for n in layers:
                 cfg = {**base_cfg, "layers": n}
                 sw_cache = tmp_path / f"sw-{n}-{rep}"
-                for name, extra in (("cold", {}), ("warm", {}), ("warm_plus", {"inductor_warmup": True})):
-                    r = run_child({**cfg, **extra, "run": name}, sw_cache, tmp_path / f"inductor-{n}-{name}-{rep}")
+                for name, extra in runs_of.items():  # (cold_workers: a shapewise cache of its own, empty)
+                    cache = tmp_path / f"sw-{n}-workers-{rep}" if name == "cold_workers" else sw_cache
+                    r = run_child({**cfg, **extra, "run": name}, cache, tmp_path / f"inductor-{n}-{name}-{rep}")
                     samples[n][name].append(r)
                     print(f"[{rep + 1}/{args.repeats}] L={n:3d} {name:9s} first call {r['first_call_s']:7.1f} s  "
-                          f"compiled {r['compiled']:3d}  reused {r['reused']:3d}  cache {r['cache']:3d}  "
+                          f"compiled {r['compiled']:3d}  workers {r.get('worker', 0):3d}  reused {r['reused']:3d}  "
+                          f"cache {r['cache']:3d}  "
                           f"correct {r['correct']}", flush=True)
         for n in layers:
             results["runs"].append({"layers": n, **{k: _median(v) for k, v in samples[n].items()},
@@ -286,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     results["targets"] = {"warm_le_10pct": worst <= 0.10, "worst_warm_ratio": worst,
                           "worst_warm_plus_ratio": worst_plus, "big_layers": big["layers"],
                           "small_layers": small["layers"], "big_over_small": ratio, "big_le_1_3x": ratio <= 1.3}
-    results["all_correct"] = all(x["correct"] for r in runs for k in ("cold", "warm", "warm_plus")
-                                 for x in r["samples"][k]) and \
+    results["all_correct"] = all(x["correct"] for r in runs for k in runs_of for x in r["samples"][k]) and \
         all(results.get(k, {}).get("correct", True) for k in ("no_dedupe", "no_dedupe_no_inductor_cache"))
     stem = out_dir / f"cold_start_{args.device}"
     stem.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
