@@ -120,9 +120,10 @@ _KEEPS_OUTPUTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_earl
 
 
 def _keeps_outputs(model: torch.nn.Module, kwargs: dict) -> str | None:
-    """Why this ``generate(**kwargs)`` call may keep tensors of a forward's outputs after it
-    calls the forward again, or None where it keeps none: greedy or sampled decoding copies the
-    last position's logits (``.to(copy=True)``) and drops the outputs before the next step."""
+    """Why this ``generate(**kwargs)`` call (its arguments by name, ``generation_config``'s
+    included) may keep tensors of a forward's outputs after it calls the forward again, or None
+    where it keeps none: greedy or sampled decoding copies the last position's logits
+    (``.to(copy=True)``) and drops the outputs before the next step."""
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
 
     def get(name: str) -> Any:
@@ -132,17 +133,38 @@ def _keeps_outputs(model: torch.nn.Module, kwargs: dict) -> str | None:
         return "it returns each step's hidden states or attentions"
     if (get("num_beams") or 1) > 1:
         return "beam search"
+    if get("guidance_scale") not in (None, 1, 1.0):  # its logits processor calls the forward between steps
+        return "classifier-free guidance"
     return next((f"{n} is set" for n in _KEEPS_OUTPUTS if get(n)), None)
 
 
 def _borrowing_generate(model: torch.nn.Module) -> Any:
     """``model.generate`` that runs inside ``borrowed_outputs()`` (the CUDA graphs' logits not
-    copied per step) where the call keeps no output tensor (``_keeps_outputs``)."""
+    copied per step) where the call keeps no output tensor (``_keeps_outputs``, on its arguments
+    bound by name: a positional ``generation_config`` counts)."""
     generate = model.generate
+    try:
+        signature = inspect.signature(generate)
+    except (TypeError, ValueError):
+        signature = None
+
+    def by_name(args: tuple, kwargs: dict) -> dict | None:
+        if not args:
+            return kwargs
+        if signature is None:
+            return None
+        try:
+            bound = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return None  # generate() itself will say what is wrong
+        extra = next((bound.pop(n) for n, p in signature.parameters.items()
+                      if p.kind is inspect.Parameter.VAR_KEYWORD and n in bound), {})
+        return {**bound, **extra}
 
     @functools.wraps(generate)
     def generate_borrowing(*args: Any, **kwargs: Any) -> Any:
-        if _keeps_outputs(model, kwargs) is not None:
+        named = by_name(args, kwargs)
+        if named is None or _keeps_outputs(model, named) is not None:
             return generate(*args, **kwargs)
         with borrowed_outputs():
             return generate(*args, **kwargs)
@@ -185,9 +207,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     per size (``cudagraphs="full"``, a model on a GPU), where the attention is in the graph the
     pass sees and launches are what a step is made of: on the H200 at 1B shapes, with both, 197
     kernels a step against 250 and 1106 against 1229 µs (benchmarks/results/decode_h200/decode_kernel).
-    With CUDA graphs, ``model.generate`` is wrapped too: a call that keeps no output tensor of
-    a step past the next step (greedy or sampled decoding without returned hidden states or
-    attentions) runs inside ``shapewise.dispatch.borrowed_outputs()``, so each step's logits are
+    With CUDA graphs and a static cache, ``model.generate`` is wrapped too: a call that keeps no
+    output tensor of a step past the next step (greedy or sampled decoding without returned hidden
+    states or attentions; not beams, assisted, DoLa or contrastive decoding, not classifier-free
+    guidance) runs inside ``shapewise.dispatch.borrowed_outputs()``, so each step's logits are
     the graph's own buffer, not a copy of it (``generate()`` copies the last position itself).
     Other options go to ``shapewise.compile``.
     """
@@ -274,6 +297,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     if cache_arg is not None:
         fast.miss_note = _whole_sequence_note(cache_arg)
     model.forward = fast
-    if cudagraphs_options(options.get("cudagraphs", False)) and hasattr(model, "generate"):
+    # Borrowing needs a static cache: a dynamic cache's tensors are the forward's outputs (a
+    # prefill graph's buffers, which a cache returned or passed in would keep past the call).
+    # And transformers' own generate(), not one the model already replaced (Hub code).
+    if cudagraphs_options(options.get("cudagraphs", False)) and static_cache and hasattr(model, "generate") \
+            and "generate" not in vars(model):
         model.generate = _borrowing_generate(model)
     return fast

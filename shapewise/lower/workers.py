@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # (the builtin one only from Python 3.11)
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,10 +146,27 @@ def _rebuilt(payload: tuple[torch.fx.Graph, dict[str, Any]]) -> torch.fx.GraphMo
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(config: bytes, fingerprint: str, cache_root: str, modules: Sequence[str]) -> None:
+def _numerics() -> dict[str, Any]:
+    """The process-wide settings that change what a compile makes, outside Inductor's config."""
+    return {"matmul_precision": torch.get_float32_matmul_precision(),
+            "cuda_matmul_tf32": torch.backends.cuda.matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "deterministic": torch.are_deterministic_algorithms_enabled()}
+
+
+def _set_numerics(state: dict[str, Any]) -> None:
+    torch.set_float32_matmul_precision(state["matmul_precision"])
+    torch.backends.cuda.matmul.allow_tf32 = state["cuda_matmul_tf32"]
+    torch.backends.cudnn.allow_tf32 = state["cudnn_tf32"]
+    torch.use_deterministic_algorithms(state["deterministic"])
+
+
+def _init_worker(config: bytes, fingerprint: str, cache_root: str, modules: Sequence[str],
+                 numerics: dict[str, Any] | None = None) -> None:
     from torch._inductor import config as inductor_config
 
     inductor_config.load_config(config)
+    if numerics is not None:
+        _set_numerics(numerics)
     _STATE["config_ok"] = _compat.inductor_config_fingerprint() == fingerprint
     _STATE["cache_root"] = cache_root
     for name in modules:  # what registered the custom ops the graphs call (shapewise's library)
@@ -184,6 +202,8 @@ def compile_in_worker(data: bytes) -> tuple[str, str, float]:
                                         task["info"], wait=False)
         if got is None:
             return key, "busy", time.perf_counter() - t0
+        if got[1] == "compiled" and not cache.path(key).exists():
+            return key, "failed: compiled, but the artifact could not be saved (logged above)", time.perf_counter() - t0
         return key, got[1], time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - the session compiles this key itself
         return key, f"failed: {type(e).__name__}: {e}", time.perf_counter() - t0
@@ -283,14 +303,17 @@ class _Processes:
         self.queue.put((key, data, future))
         return future
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace: float = 10.0) -> None:
+        """End the workers: each finishes the task it has (none, when a session closed), then is
+        asked to stop; any still there after ``grace`` seconds in all is killed."""
         for _ in self.threads:
             self.queue.put(None)
+        deadline = time.monotonic() + grace
         for t in self.threads:
-            t.join(timeout=60)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
 
@@ -306,19 +329,19 @@ def _processes(workers: int, cache_root: str) -> _Processes:
     from torch._inductor import config as inductor_config
 
     modules = sorted(n for n in sys.modules if n.startswith("shapewise.library"))
-    fingerprint = _compat.inductor_config_fingerprint()
+    fingerprint, numerics = _compat.inductor_config_fingerprint(), _numerics()
     with _SHARED_LOCK:
         if _SHARED:
             old = _SHARED[0]
-            _, was_fingerprint, was_root, was_modules = old.setup
-            if (was_fingerprint, was_root, was_modules) == (fingerprint, cache_root, modules) \
-                    and len(old.procs) >= workers and old.alive():
+            _, was_fingerprint, was_root, was_modules, was_numerics = old.setup
+            if (was_fingerprint, was_root, was_numerics) == (fingerprint, cache_root, numerics) \
+                    and set(modules) <= set(was_modules) and len(old.procs) >= workers and old.alive():
                 return old
             _SHARED.clear()
             old.shutdown()
         else:
             atexit.register(_shutdown_shared)
-        made = _Processes(workers, (inductor_config.save_config(), fingerprint, cache_root, modules))
+        made = _Processes(workers, (inductor_config.save_config(), fingerprint, cache_root, modules, numerics))
         _SHARED.append(made)
         return made
 
@@ -364,9 +387,11 @@ class WorkerPool:
             return None
         if future.cancelled():
             return "not started"
+        if not (future.running() or future.done()):
+            return "queued"  # still waiting for a worker: what this session loaded, another process wrote
         try:
             _, outcome, seconds = future.result(timeout=timeout)
-        except TimeoutError:
+        except FutureTimeout:
             return "running"
         log.debug("shapewise: compile worker: %s... %s (%.1f s)", key[:12], outcome, seconds)
         if outcome.startswith("failed"):

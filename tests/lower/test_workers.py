@@ -96,8 +96,10 @@ def test_a_real_worker_process_compiles_over_its_pipe_and_a_bad_task_fails_alone
         pool.submit("ba" * 32, b"not a pickle")
         pool.submit(key, data)
         # (a worker's first compile starts torch and Inductor: seconds, more on a loaded machine)
-        assert pool.outcome("ba" * 32, timeout=300).startswith("failed: UnpicklingError")
-        assert pool.outcome(key, timeout=300) == "compiled"
+        for k in ("ba" * 32, key):
+            pool.futures[k].result(timeout=300)
+        assert pool.outcome("ba" * 32).startswith("failed: UnpicklingError")
+        assert pool.outcome(key) == "compiled"
         assert pool.outcome("ff" * 32) is None  # never sent
     finally:
         pool.close()
@@ -135,3 +137,17 @@ def test_the_option_is_checked():
             sw.Lower(compile_workers=bad)
     assert sw.Lower(compile_workers="auto").compile_workers == "auto"
     assert 1 <= workers.default_workers() <= workers.MAX_WORKERS
+
+
+def test_an_outcome_never_waits_for_a_task_no_worker_has_started():
+    # The session asks after a key it loaded from the cache: if its own task is still queued,
+    # another process wrote the file, and waiting would only hold Dynamo's lock.
+    pool = workers.WorkerPool.__new__(workers.WorkerPool)
+    queued, cancelled = Future(), Future()
+    cancelled.cancel()
+    pool.futures = {"aa" * 32: queued, "bb" * 32: cancelled}
+    assert pool.outcome("aa" * 32) == "queued" and pool.outcome("bb" * 32) == "not started"
+    queued.set_running_or_notify_cancel()
+    assert pool.outcome("aa" * 32, timeout=0.01) == "running"
+    queued.set_result(("aa" * 32, "compiled", 1.0))
+    assert pool.outcome("aa" * 32) == "compiled"

@@ -293,14 +293,23 @@ def test_generate_borrows_the_graphs_outputs_only_where_it_keeps_none():
 
     model = _llama()
     seen = []
-    model.generate = lambda *a, **k: seen.append(outputs_borrowed())
+
+    def generate(inputs=None, generation_config=None, logits_processor=None, **kwargs):  # generate()'s own order
+        seen.append(outputs_borrowed())
+
+    model.generate = generate
     model.generate = _borrowing_generate(model)
-    model.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=3)
-    model.generate(torch.zeros(1, 2, dtype=torch.long), do_sample=True, output_logits=True,
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    model.generate(ids, max_new_tokens=3)
+    model.generate(ids, do_sample=True, output_logits=True,
                    return_dict_in_generate=True)  # the logits it keeps are its own copies
-    model.generate(torch.zeros(1, 2, dtype=torch.long), return_dict_in_generate=True, output_hidden_states=True)
-    model.generate(torch.zeros(1, 2, dtype=torch.long), num_beams=2)
-    assert seen == [True, True, False, False] and not outputs_borrowed()
+    model.generate(ids, return_dict_in_generate=True, output_hidden_states=True)
+    model.generate(ids, num_beams=2)
+    keeps = transformers.GenerationConfig(return_dict_in_generate=True, output_hidden_states=True)
+    model.generate(ids, keeps)  # a generation config by position counts as one by name
+    model.generate(ids, guidance_scale=1.5)
+    model.generate(ids, transformers.GenerationConfig(max_new_tokens=2))
+    assert seen == [True, True, False, False, False, False, True] and not outputs_borrowed()
     assert _keeps_outputs(model, {"return_dict_in_generate": True, "output_attentions": True}) == \
         "it returns each step's hidden states or attentions"
     assert _keeps_outputs(model, {"assistant_model": model}) == "assistant_model is set"
@@ -308,6 +317,13 @@ def test_generate_borrows_the_graphs_outputs_only_where_it_keeps_none():
     # The generation config counts as the call's own arguments do.
     model.generation_config.return_dict_in_generate = model.generation_config.output_hidden_states = True
     assert _keeps_outputs(model, {}) is not None and _keeps_outputs(model, {"output_hidden_states": False}) is None
+    # compile_generate wraps transformers' generate() only: not one the model replaced, nor with a
+    # dynamic cache (whose tensors are the forward's outputs), nor without CUDA graphs.
+    for static, cudagraphs in ((True, False), (False, "full")):
+        m = _llama()
+        sw.compile_generate(m, prompt_sizes=[4], static_cache=static, backend="aot_eager", cudagraphs=cudagraphs,
+                            fuse_projections=False, grouped_decode=False, combo_kernels=False)
+        assert not getattr(m.generate, "shapewise_borrows", False) and "generate" not in vars(m)
     # Outside the context the graphs' outputs are cloned; inside they are the buffers themselves.
     buffer = torch.zeros(3)
     run = copy_out(lambda: {"logits": buffer})
