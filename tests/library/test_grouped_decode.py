@@ -244,3 +244,13 @@ def test_the_decode_kernel_against_fp32_sdpa(dtype):
         # within twice what SDPA's own kernels in this dtype are off by, and a floor of the dtype's rounding
         bound = max(2 * (ref16 - want).abs().max().item(), 4 * torch.finfo(dtype).eps)
         assert (got.float() - want).abs().max().item() <= bound, (b, h, n, s, d, dv, mask)
+
+
+def test_the_kernels_offsets_are_bounded_by_each_tensors_span():
+    # The fast path refuses a tensor whose elements reach 2^31 from its pointer (32-bit offsets);
+    # the span counts the strides as they are (a slice, an expand, a transpose).
+    from shapewise.library.kernels.decode_attention import _span
+
+    t = torch.zeros(2, 3, 4)
+    assert _span(t) == 24 and _span(t[:, :1]) == 16 and _span(t[:1, :, None].expand(1, 3, 5, 4)) == 12
+    assert _span(t.transpose(0, 2)) == 24 and _span(torch.zeros(0, 4)) == 1

@@ -19,7 +19,8 @@ slice's max, sum and weighted values, in float32). A boolean mask is True where 
 attended; a float mask is added to the scores.
 
 The fast path: CUDA, bf16 or fp16 (the same for q, k and v), head dims of at most 256, inner
-dimensions contiguous, Triton importable. Anything else runs SDPA itself, so the op is right on
+dimensions contiguous, every offset within 32 bits (a layer's cache under 2^31 elements), Triton
+importable. Anything else runs SDPA itself, so the op is right on
 any input. Its fake implementation lets Dynamo, AOTAutograd and Inductor trace it. No backward:
 it is for inference (decode).
 """
@@ -162,11 +163,18 @@ def _fast_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     if not (16 <= d <= _MAX_DIM and 16 <= dv <= _MAX_DIM) or q.stride(-1) != 1 or k.stride(-1) != 1 \
             or v.stride(-1) != 1:
         return False
+    if max(_span(t) for t in (q, k, v)) >= 2**31:  # the kernels' offsets are 32-bit
+        return False
     if mask is not None and not (mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == mask.shape[2] == 1
                                  and mask.shape[3] in (1, s) and mask.device == q.device
                                  and (mask.dtype == torch.bool or mask.dtype.is_floating_point)):
         return False
     return triton_gemv_available()
+
+
+def _span(t: torch.Tensor) -> int:
+    """The largest element offset ``t`` reaches from its data pointer, plus one."""
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0)
 
 
 @torch.library.custom_op("shapewise::decode_attention", mutates_args=())
