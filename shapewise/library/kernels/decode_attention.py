@@ -173,8 +173,8 @@ def _fast_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 
 
 def _span(t: torch.Tensor) -> int:
-    """The largest element offset ``t`` reaches from its data pointer, plus one."""
-    return 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0)
+    """The largest element offset ``t`` reaches from its data pointer, plus one (0: no elements)."""
+    return 0 if t.numel() == 0 else 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
 
 
 @torch.library.custom_op("shapewise::decode_attention", mutates_args=())
