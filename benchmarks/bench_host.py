@@ -131,7 +131,8 @@ def piecewise_breakdown(fast: Any, x: torch.Tensor, calls: int, rounds: int,
     call, the runner, then per piece its graphed call, and the floor under it: the graph's
     replay alone, the copies into its static inputs alone, each splitting op's call alone. What
     the pieces' sum leaves of the runner, and the runner of the call, is shapewise's Python."""
-    from shapewise.dispatch.graphed import GraphedPiece, clone_tensors
+    from shapewise.dispatch.copies import clone_tensors
+    from shapewise.dispatch.graphed import GraphedPiece
 
     runnable, args = capture_runnable_args(fast, x)
     key = runnable._key(args)

@@ -18,11 +18,10 @@ from shapewise.errors import ConfigError
 from shapewise.graph_split import Split
 from shapewise.ir.program import Program
 from shapewise.lower import Lower
-from shapewise.lower.workers import warm_up
 from shapewise.passes import Instrument, Pipeline
 from shapewise.rewrite import Rewrite
 
-__all__ = ["build_pipeline", "cudagraphs_options", "shapewise_backend", "warm_up"]
+__all__ = ["build_pipeline", "cudagraphs_options", "shapewise_backend"]
 
 DEFAULT_DIM_NAME = "n"
 

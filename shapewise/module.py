@@ -14,12 +14,13 @@ import sympy
 import torch
 
 from shapewise import _compat
-from shapewise.backend import _PIPELINE_KEYS, DEFAULT_DIM_NAME, _op_list, build_pipeline, shapewise_backend, warm_up
+from shapewise.backend import _PIPELINE_KEYS, DEFAULT_DIM_NAME, _op_list, build_pipeline, shapewise_backend
 from shapewise.concretize import check_sizes, make_bindings, refusal
 from shapewise.direct import MISS, DirectCalls, bound_module, build_direct_call, self_in_args
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
+from shapewise.lower.workers import warm_up
 from shapewise.marks import held_tensors, int_paths, parse_dynamic_dims, tensors_of
 from shapewise.trace_errors import trace_error
 
@@ -434,8 +435,7 @@ class ShapewiseModule:
         if len(self.runnables) == count:
             raise ShapewiseError(
                 "Dynamo ran the model without handing a graph to shapewise (its recompile limit for "
-                "this function may be reached: torch._dynamo.config.cache_size_limit); nothing was compiled"
-            )
+                "this function may be reached: torch._dynamo.config.cache_size_limit); nothing was compiled")
         return out
 
     # -- inspection ----------------------------------------------------------------------

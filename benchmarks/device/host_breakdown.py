@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import shapewise as sw  # noqa: E402
+import shapewise.dispatch.copies as copies_mod  # noqa: E402
 import shapewise.dispatch.graphed as graphed_mod  # noqa: E402
 import shapewise.dispatch.runnable as runnable_mod  # noqa: E402
 from benchmarks.bench_decode import Step, make_model  # noqa: E402
@@ -85,7 +86,7 @@ def graphed_parts(piece, piece_args, rewind, device: str, n: int) -> list[dict]:
     if piece.copy_slots:
         out.append({"part": f"copy in ({len(piece.copy_slots)} tensors)",
                     "idle_us": host_us(copy_in, rewind, False, device, n)})
-    out.append({"part": "clone outputs", "idle_us": host_us(lambda: graphed_mod.clone_tensors(piece.outputs), rewind,
+    out.append({"part": "clone outputs", "idle_us": host_us(lambda: copies_mod.clone_tensors(piece.outputs), rewind,
                                                              False, device, n)})
     return out
 

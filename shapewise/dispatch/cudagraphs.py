@@ -38,13 +38,13 @@ import torch.fx
 from shapewise import _compat
 from shapewise._compat import evaluate_at
 from shapewise.concretize import resolve_names
+from shapewise.dispatch.copies import copy_out
 from shapewise.dispatch.graphed import (
     GraphedPiece,
     GraphPool,
     SizeGraphs,
     StagedInputs,
     StaticBuffer,
-    copy_out,
     is_fixed,
 )
 from shapewise.dispatch.padding import padded_entries

@@ -17,12 +17,11 @@ from typing import Any
 import torch
 
 from shapewise import _compat
-from shapewise.dispatch.copies import CopyIn, borrowed_outputs, clone_tensors, copy_out, outputs_borrowed
+from shapewise.dispatch.copies import CopyIn
 from shapewise.ir.program import TensorMeta
 from shapewise.ir.runner import LAYOUTS_ATTR
 
-__all__ = ["CopyIn", "GraphPool", "GraphedPiece", "SizeGraphs", "StagedInputs", "StaticBuffer", "borrowed_outputs",
-           "clone_tensors", "copy_out", "is_fixed", "outputs_borrowed", "tensors_of"]
+__all__ = ["GraphPool", "GraphedPiece", "SizeGraphs", "StagedInputs", "StaticBuffer", "is_fixed", "tensors_of"]
 
 log = logging.getLogger("shapewise")
 

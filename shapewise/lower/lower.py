@@ -261,8 +261,9 @@ class CompileSession:
         before = dict(self.counts)
         done: dict[tuple[int, int], Variant] = {}
         order = self._order(pieces)
-        if resolve_workers(self.lower.compile_workers) > 1:
-            order = self._start_workers(pieces, order)
+        workers = resolve_workers(self.lower.compile_workers)
+        if workers > 1:
+            order = self._start_workers(pieces, order, workers)
         with self.progress(todo) as bar, contextlib.ExitStack() as stack:
             if self.workers is not None:
                 stack.callback(self._stop_workers)
@@ -284,8 +285,9 @@ class CompileSession:
                                         time.perf_counter() - t0))
         return out
 
-    def _start_workers(self, pieces: Sequence[Piece], order: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Hand the distinct keys that need a static Inductor compile to worker processes
+    def _start_workers(self, pieces: Sequence[Piece], order: list[tuple[int, int]],
+                       most: int) -> list[tuple[int, int]]:
+        """Hand the distinct keys that need a static Inductor compile to at most ``most`` worker processes
         (``shapewise.lower.workers``); the order this session takes the variants in: what no
         worker was given first, then the workers' from the far end of their queue."""
         from shapewise.lower.compile import reads_values
@@ -312,7 +314,7 @@ class CompileSession:
                     continue
                 tasks[key] = data
             sent[i, j] = key
-        workers = min(resolve_workers(self.lower.compile_workers), len(tasks))
+        workers = min(most, len(tasks))
         if workers < 2:
             return order
         self.workers = WorkerPool(workers, str(self.cache.root))

@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import io
 import logging
+import operator
 import os
 import pickle
 import queue
@@ -105,7 +106,7 @@ def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options:
             return None
     buf = io.BytesIO()
     try:
-        pickle.dump({"key": key, "gm": _plain_copy(gm), "args": specs, "options": options, "info": info,
+        pickle.dump({"key": key, "gm": _graph_payload(gm), "args": specs, "options": options, "info": info,
                      "grad": torch.is_grad_enabled()}, buf)
     except Exception as e:  # noqa: BLE001 - such a variant is compiled in the session
         log.debug("shapewise: %s... is compiled here, not in a worker: %s: %s", key[:12], type(e).__name__, e)
@@ -114,7 +115,7 @@ def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options:
     return data if len(data) <= MAX_TASK_BYTES else None
 
 
-def _plain_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.Graph, dict[str, Any]]:
+def _graph_payload(gm: torch.fx.GraphModule) -> tuple[torch.fx.Graph, dict[str, Any]]:
     """``gm`` as a worker rebuilds it: its graph without the nodes' traced values (fake tensors,
     which do not pickle; the worker traces them again from its inputs), and the attributes its
     ``get_attr`` nodes read. The graph itself, not the GraphModule: unpickling a GraphModule traces
@@ -129,10 +130,7 @@ def _plain_copy(gm: torch.fx.GraphModule) -> tuple[torch.fx.Graph, dict[str, Any
         if node.op == "call_module":
             raise TypeError(f"a call_module node ({node.target}): the worker would need the module")
         if node.op == "get_attr":
-            value = gm
-            for part in str(node.target).split("."):
-                value = getattr(value, part)
-            attrs[str(node.target)] = value
+            attrs[str(node.target)] = operator.attrgetter(str(node.target))(gm)
     return graph, attrs
 
 

@@ -35,6 +35,26 @@ def decoder(name: str, dtype=torch.float32) -> torch.nn.Module:
     return cls(config).eval().to(dtype)
 
 
+def bf16_decode_against_fp32(name: str, **options):
+    """``compile_generate`` of ``name``'s bf16 decoder on the GPU (static cache, full CUDA graphs,
+    ``options``), two generate()s (the second replays the captured graphs), its logits checked
+    against an fp32 eager reference within what bf16 itself costs; (compiled forward, model)."""
+    reference = decoder(name).cuda()
+    eager16 = decoder(name, torch.bfloat16).cuda()
+    model = decoder(name, torch.bfloat16).cuda()
+    fast = sw.compile_generate(model, prompt_sizes=[8], max_length=40, static_cache=True, cudagraphs="full", **options)
+    ids = torch.randint(0, VOCAB, (1, 8), device="cuda")
+    run = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True,
+               output_logits=True, cache_implementation="static")
+    with torch.no_grad():
+        want = reference.generate(ids, **run)
+        bf16 = eager16.generate(ids, **run)
+        for _ in range(2):
+            got = model.generate(ids, **run)
+    assert_bf16_logits_close(got, want, bf16, prompt=8)
+    return fast, model
+
+
 def assert_bf16_logits_close(got, want, bf16, prompt: int) -> None:
     """Per generated step, ``got``'s bf16 logits against the fp32 reference ``want`` within twice
     what bf16 itself costs (the plain bf16 model's error ``bf16``, with margin), up to the first
@@ -304,20 +324,7 @@ def test_bf16_decode_in_full_cuda_graphs_against_fp32(name, gemv):
     # Inductor and full CUDA graphs on the GPU: bf16 logits against an fp32 eager reference, within
     # what bf16 itself costs (the unfused bf16 eager model's error, with margin); with DecodeGemv
     # after the fusion too (the fused groups in the Triton GEMV: gemv_group).
-    reference = decoder(name).cuda()
-    eager16 = decoder(name, torch.bfloat16).cuda()
-    model = decoder(name, torch.bfloat16).cuda()
-    passes = {"graph_passes": [sw.library.DecodeGemv()]} if gemv else {}
-    fast = sw.compile_generate(model, prompt_sizes=[8], max_length=40, static_cache=True, cudagraphs="full", **passes)
-    ids = torch.randint(0, VOCAB, (1, 8), device="cuda")
-    run = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True,
-               output_logits=True, cache_implementation="static")
-    with torch.no_grad():
-        want = reference.generate(ids, **run)
-        bf16 = eager16.generate(ids, **run)
-        for _ in range(2):  # the second generate replays the captured graphs
-            got = model.generate(ids, **run)
+    fast, _ = bf16_decode_against_fp32(name, **({"graph_passes": [sw.library.DecodeGemv()]} if gemv else {}))
     # With DecodeGemv every group at <= 16 rows (the 8-token prefill too) is a gemv_group.
     assert (_count(fast, "shapewise.gemv_group") > 0) == gemv and fused_groups(fast) + _count(
         fast, "shapewise.gemv_group") > 0
-    assert_bf16_logits_close(got, want, bf16, prompt=8)

@@ -13,7 +13,7 @@ import shapewise as sw
 from tests.helpers import assert_same
 
 transformers = pytest.importorskip("transformers")
-from tests.library.test_fuse_projections import assert_bf16_logits_close, decoder  # noqa: E402
+from tests.library.test_fuse_projections import bf16_decode_against_fp32, decoder  # noqa: E402
 from tests.models.configs import VOCAB  # noqa: E402
 
 
@@ -194,26 +194,13 @@ def test_fp32_decode_by_default_in_full_cuda_graphs_gives_eagers_tokens(name):
 def test_bf16_decode_in_full_cuda_graphs_on_the_unrepeated_cache_against_fp32(name):
     # Inductor and full CUDA graphs (nothing split: the pass sees the attention): bf16 logits
     # against an fp32 eager reference, within what bf16 itself costs, as FuseProjections' GPU test.
-    reference = decoder(name).cuda()
-    eager16 = decoder(name, torch.bfloat16).cuda()
-    model = decoder(name, torch.bfloat16).cuda()
-    fast = sw.compile_generate(model, prompt_sizes=[8], max_length=40, static_cache=True, cudagraphs="full",
-                               graph_passes=[sw.library.GroupedDecodeAttention()])
-    ids = torch.randint(0, VOCAB, (1, 8), device="cuda")
-    run = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True,
-               output_logits=True, cache_implementation="static")
-    with torch.no_grad():
-        want = reference.generate(ids, **run)
-        bf16 = eager16.generate(ids, **run)
-        for _ in range(2):  # the second generate replays the captured graphs
-            got = model.generate(ids, **run)
+    fast, model = bf16_decode_against_fp32(name, graph_passes=[sw.library.GroupedDecodeAttention()])
     nodes = [n for p in fast.runnables[-1].program.compute_pieces for var in p.variants
              for n in (var.gm or p.gm).graph.nodes]
     # Each layer's decode SDPA is the pass's. (Not "no expand left": transformers 5.17's rotary
     # embedding expands its frequencies.)
     marked = [n for n in nodes if n.meta.get("shapewise_rewrite") == "grouped_decode_attention"]
     assert len(marked) == model.config.num_hidden_layers
-    assert_bf16_logits_close(got, want, bf16, prompt=8)
 
 
 @pytest.mark.gpu
