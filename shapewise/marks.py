@@ -4,6 +4,8 @@ object such as a KV cache) and the int attributes an object argument holds (``in
 
 from __future__ import annotations
 
+import inspect
+import logging
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
@@ -12,7 +14,10 @@ import torch
 from shapewise.backend import DEFAULT_DIM_NAME
 from shapewise.errors import ConfigError
 
-__all__ = ["dims_spec", "held_tensors", "int_paths", "members", "parse_dynamic_dims", "tensors_of"]
+__all__ = ["UnmarkedChanges", "dims_spec", "held_tensors", "int_paths", "int_sources", "members", "parse_dynamic_dims",
+           "tensors_of"]
+
+log = logging.getLogger("shapewise")
 
 
 def members(value: Any, attrs: Collection[str] = ()) -> Iterator[tuple[str, str | None, Any]]:
@@ -123,3 +128,60 @@ def int_paths(value: Any, attrs: Collection[str]) -> list[tuple[str, int]]:
     """The int attributes named ``attrs`` inside an object argument, as (path in Dynamo's spelling
     after the argument, value): ``[(".layers[0].cumulative_length", 12), ...]``."""
     return [(path, v) for path, _, v in members(value, attrs) if not isinstance(v, torch.Tensor)]
+
+
+class UnmarkedChanges:
+    """Per compiled model: each trace's input sizes, to warn (once per dim) when a trace exists
+    because a dim no mark covers changed size since an earlier trace: every new size of it will
+    trace and compile again (a transformers model called with ``input_ids`` [1, n] under the
+    default marks, dim 0, traces per n)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[dict[str, tuple[str | None, list[int | None]]]] = []  # per trace, per input source
+        self.warned: set[tuple[str, int]] = set()
+
+    def check(self, sizes: dict[str, tuple[str | None, list[int | None]]], arg_dims: Mapping[str, Mapping[int, str]],
+              trace: int) -> None:
+        """``sizes``: this trace's {input source: (argument, its static sizes)}; ``trace``: its number."""
+        for source, (arg, shape) in sizes.items():
+            before = next((t[source][1] for t in self.sizes if source in t and len(t[source][1]) == len(shape)),
+                          None)
+            for d, (was, now) in enumerate(zip(before or (), shape)):
+                if None in (was, now) or was == now or (arg, d) in self.warned or \
+                        any(m % len(shape) == d for m in arg_dims.get(arg, {})):
+                    continue
+                self.warned.add((arg, d))
+                marked = ", ".join(f"{a!r}: {sorted(m)}" for a, m in arg_dims.items()) or "none"
+                log.warning("shapewise: trace %d: dim %d of %r was %d in an earlier trace and is %d now, but it is "
+                            "not a dynamic dim (marked: {%s}), so Dynamo traced again and every new size of it will "
+                            "trace and compile again; name it: dynamic_dims={%r: %d}", trace, d, arg,
+                            was, now, marked, arg, d)
+        self.sizes.append(sizes)
+
+
+def int_sources(bound: inspect.BoundArguments, int_attrs: Mapping[str, Mapping[str, str]],
+                fixed: Mapping[str, int] | None, source_positional: list[str]) -> list[str]:
+    """The sources of the int attributes ``dynamic_dims`` names in object arguments, as Dynamo
+    spells them, for this call: each is traced as a symbol (a sliding-window layer's token
+    count, which would otherwise be a constant guarded per value: a trace per decode step). A
+    counter at 0 (an empty cache's layer) stays a constant, as do names in ``fixed``.
+    ``source_positional``: the names of ``L['args'][i]`` in the traced frame."""
+    out: list[str] = []
+    for arg, attrs in int_attrs.items():
+        value = bound.arguments.get(arg)
+        if value is None:
+            continue
+        if isinstance(value, (torch.Tensor, tuple, list, int, float, str)):
+            raise ConfigError(f"dynamic_dims names int attributes {sorted(attrs)} of {arg!r}, but it is a "
+                              f"{type(value).__name__}; attributes are read inside an object argument (a KV cache)")
+        paths = [p for p, v in int_paths(value, attrs)
+                 if v != 0 and attrs[p.rsplit(".", 1)[1]] not in (fixed or {})]
+        if not paths:
+            continue
+        bases = [f"L[{arg!r}]", f"L['kwargs'][{arg!r}]"]
+        names = list(bound.signature.parameters)
+        i = names.index(arg)
+        if i < len(bound.args):  # passed by position: L['args'][i] in a (*args, **kwargs) wrapper's frame
+            bases.append(f"L['args'][{source_positional.index(arg)}]")
+        out.extend(b + p for b in bases for p in paths)
+    return out

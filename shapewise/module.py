@@ -21,8 +21,9 @@ from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
 from shapewise.lower.workers import warm_up
-from shapewise.marks import held_tensors, int_paths, parse_dynamic_dims, tensors_of
+from shapewise.marks import UnmarkedChanges, held_tensors, int_sources, parse_dynamic_dims, tensors_of
 from shapewise.trace_errors import trace_error
+from shapewise.warm import WarmTraces
 
 __all__ = ["NoDynamicSizes", "ShapewiseModule", "compile"]
 
@@ -47,7 +48,7 @@ class ShapewiseModule:
     def __init__(self, model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (),
                  splitting_ops: Sequence[Any] = (), dynamic_dims: Mapping[str, Any] | None = None,
                  backend: Any = "inductor", on_miss: str = "error", direct_call: bool = False,
-                 **pipeline_options: Any) -> None:
+                 warm_start: bool = False, **pipeline_options: Any) -> None:
         unknown = set(pipeline_options) - _PIPELINE_KEYS
         if unknown:
             raise ConfigError(f"unknown option(s) {sorted(unknown)} for shapewise.compile; known: "
@@ -55,6 +56,8 @@ class ShapewiseModule:
                               f"{', '.join(sorted(_PIPELINE_KEYS - {'sizes', 'ranges', 'splitting_ops', 'backend'}))}")
         if on_miss not in ("error", "dynamic", "eager"):
             raise ConfigError(f"on_miss must be 'error', 'dynamic' or 'eager', got {on_miss!r}")
+        if not isinstance(warm_start, bool):
+            raise ConfigError(f"warm_start must be True or False, got {warm_start!r}")
         self.model = model
         fn = model.forward if isinstance(model, torch.nn.Module) else model
         self._signature = inspect.signature(fn)
@@ -88,11 +91,12 @@ class ShapewiseModule:
         self._watch: Any = None  # compile="lazy" / "background": whether compiles may still run
         self._lock = threading.Lock()
         self._local = threading.local()
-        self._trace_sizes: list[dict[str, tuple[str | None, list[int | None]]]] = []  # per trace, per input
-        self._warned_dims: set[tuple[str, int]] = set()
+        self._unmarked = UnmarkedChanges()  # warns when a dim no mark covers makes Dynamo trace again
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
-        # direct_call (shapewise.direct): calls past Dynamo's frame once a call has armed them.
-        self._directs = DirectCalls(bool(direct_call))
+        # warm_start (shapewise.warm): traces saved whole and loaded on the next start; then no
+        # direct calls (shapewise.direct: calls past Dynamo's frame once a call has armed them).
+        self._warm = WarmTraces(model, self._options, dynamic_dims) if warm_start else None
+        self._directs = DirectCalls(bool(direct_call) and self._warm is None)
         # Hooks for who knows the calls (compile_generate): run after every call with (args, kwargs, output)
         # (hand prefill's cache to decode); called with (args, kwargs) for a DispatchMiss's note on why.
         self.after_call: Callable[[tuple, dict, Any], None] | None = None
@@ -150,33 +154,8 @@ class ShapewiseModule:
                 ndim = tensors[0].dim()
                 arg_dims[arg] = {d % ndim if ndim else d: n for d, n in spec.items()}
         self._arg_dims, self._object_args = arg_dims, objects
-        self._int_sources = self._mark_ints(bound, fixed)
+        self._int_sources = int_sources(bound, self._int_attrs, fixed, self._source_positional)
         return seen
-
-    def _mark_ints(self, bound: inspect.BoundArguments, fixed: Mapping[str, int] | None) -> list[str]:
-        """The sources of the int attributes ``dynamic_dims`` names in object arguments, as Dynamo
-        spells them, for this call: each is traced as a symbol (a sliding-window layer's token
-        count, which would otherwise be a constant guarded per value: a trace per decode step). A
-        counter at 0 (an empty cache's layer) stays a constant, as do names in ``fixed``."""
-        out: list[str] = []
-        for arg, attrs in self._int_attrs.items():
-            value = bound.arguments.get(arg)
-            if value is None:
-                continue
-            if isinstance(value, (torch.Tensor, tuple, list, int, float, str)):
-                raise ConfigError(f"dynamic_dims names int attributes {sorted(attrs)} of {arg!r}, but it is a "
-                                  f"{type(value).__name__}; attributes are read inside an object argument (a KV cache)")
-            paths = [p for p, v in int_paths(value, attrs)
-                     if v != 0 and attrs[p.rsplit(".", 1)[1]] not in (fixed or {})]
-            if not paths:
-                continue
-            bases = [f"L[{arg!r}]", f"L['kwargs'][{arg!r}]"]
-            names = list(bound.signature.parameters)
-            i = names.index(arg)
-            if i < len(bound.args):  # passed by position: L['args'][i] in a (*args, **kwargs) wrapper's frame
-                bases.append(f"L['args'][{self._source_positional.index(arg)}]")
-            out.extend(b + p for b in bases for p in paths)
-        return out
 
     def _to_fix(self, seen: Mapping[str, set[int]]) -> dict[str, int]:
         """The dims of a re-trace to specialise, as Dynamo alone would: a size 0 or 1 that every
@@ -256,32 +235,13 @@ class ShapewiseModule:
                                                           "on_miss": self._on_miss, "fixed": fixed,
                                                           "refused": "skip" if self.runnables else "skip-sizes"})
         try:
-            self._warn_unmarked_change(sizes)
+            self._unmarked.check(sizes, self._arg_dims, len(self.runnables) + 1)
         except Exception as e:  # noqa: BLE001 - a diagnostic never fails a trace
             log.debug("shapewise: the unmarked-dim check failed: %s", e)
         self.runnables.append(runnable)
         self.trace_fixed.append(fixed)
         self._watch = runnable.runtime.watch or self._watch
         return self._direct_for(gm, example_inputs, runnable)
-
-    def _warn_unmarked_change(self, sizes: dict[str, tuple[str | None, list[int | None]]]) -> None:
-        """Warn (once per dim) when this trace exists because a dim no mark covers changed size
-        since an earlier trace: every new size of it will trace and compile again (a transformers
-        model called with ``input_ids`` [1, n] under the default marks, dim 0, traces per n)."""
-        for source, (arg, shape) in sizes.items():
-            before = next((t[source][1] for t in self._trace_sizes if source in t and len(t[source][1]) == len(shape)),
-                          None)
-            for d, (was, now) in enumerate(zip(before or (), shape)):
-                if None in (was, now) or was == now or (arg, d) in self._warned_dims or \
-                        any(m % len(shape) == d for m in self._arg_dims.get(arg, {})):
-                    continue
-                self._warned_dims.add((arg, d))
-                marked = ", ".join(f"{a!r}: {sorted(m)}" for a, m in self._arg_dims.items()) or "none"
-                log.warning("shapewise: trace %d: dim %d of %r was %d in an earlier trace and is %d now, but it is "
-                            "not a dynamic dim (marked: {%s}), so Dynamo traced again and every new size of it will "
-                            "trace and compile again; name it: dynamic_dims={%r: %d}", len(self.runnables) + 1, d, arg,
-                            was, now, marked, arg, d)
-        self._trace_sizes.append(sizes)
 
     def _direct_for(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Runnable) -> Any:
         """What Dynamo calls for this trace: the runnable, or with ``direct_call``, a recorder of its
@@ -300,7 +260,8 @@ class ShapewiseModule:
     @property
     def direct_info(self) -> str:
         """Whether calls go past Dynamo's frame (``direct_call=True``), per trace, and why not."""
-        return self._directs.info(self._trace_label)
+        return self._directs.info(self._trace_label) if self._warm is None else \
+            "off: warm_start=True (a loaded trace keeps no Dynamo placeholders to generate direct calls from)"
 
     @property
     def direct_calls(self) -> int:
@@ -329,6 +290,10 @@ class ShapewiseModule:
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
         try:
+            if self._warm is not None:
+                self._load_warm()
+                out = self._warm.serve(args, kwargs, MISS)
+                return out if out is not MISS else self._first_call(args, kwargs, retrace=bool(self.runnables))
             if self.runnables:
                 try:
                     if self._watch is not None and self._watch.active:
@@ -372,7 +337,9 @@ class ShapewiseModule:
         Dynamo would fix them alone; that trace serves the sizes that agree with them."""
         with self._lock:
             if self.runnables and not retrace:
-                return self._compiled(*args, **kwargs)
+                out = self._compiled(*args, **kwargs) if self._warm is None else self._warm.serve(args, kwargs, MISS)
+                if out is not MISS:
+                    return out
             seen = self._mark(args, kwargs)
             fixed = self._to_fix(seen) if self.runnables else {}
             # Then, if Dynamo cannot trace this call symbolic in them: its sizes 0/1 fixed, then
@@ -406,6 +373,8 @@ class ShapewiseModule:
                     # specialised): it installed nothing, so neither does shapewise.
                     del self.runnables[count:], self.trace_fixed[count:]
                     self._directs.truncate(count)
+                    if self._warm is not None:
+                        self._warm.forget(count)
                     pinned = {n: v for n, v in attempts[i + 1].items() if v not in (0, 1) and n not in attempt}
                     log.log(logging.WARNING if pinned and self.runnables else logging.INFO,
                             "shapewise: the trace with %s fixed failed (%s: %s); tracing again with %s fixed%s",
@@ -429,14 +398,29 @@ class ShapewiseModule:
         try:
             with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget(), \
                     _compat.dynamic_int_sources(self._int_sources), _compat.quiet_guard_errors():
-                out = self._compiled(*args, **kwargs)
+                out = self._compiled(*args, **kwargs) if self._warm is None else \
+                    self._warm.trace(args, kwargs, self._backend)
         finally:
             self._local.tracing, self._local.fixed = False, None
         if len(self.runnables) == count:
             raise ShapewiseError(
                 "Dynamo ran the model without handing a graph to shapewise (its recompile limit for "
                 "this function may be reached: torch._dynamo.config.cache_size_limit); nothing was compiled")
+        if self._warm is not None:
+            self._warm.save(self.trace_fixed)
         return out
+
+    def _load_warm(self) -> None:
+        """The saved traces (``warm_start``), once: their runnables served as if traced here."""
+        for runnable, fixed in self._warm.load():
+            self.runnables.append(runnable)
+            self.trace_fixed.append(fixed)
+            self._watch = runnable.runtime.watch or self._watch
+
+    @property
+    def warm_info(self) -> str:
+        """With ``warm_start=True``: whether this start loaded its traces, or why not, and where they were saved."""
+        return self._warm.info if self._warm is not None else "warm start off (warm_start=False)"
 
     # -- inspection ----------------------------------------------------------------------
     @property

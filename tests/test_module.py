@@ -451,10 +451,10 @@ def test_a_model_that_reads_a_tensors_value_for_a_size_gets_a_shapewise_error_th
         fast(torch.randn(8, 3))
     assert e.value.__cause__ is not None
     # A graph Dynamo did trace, whose compile fails: the piece that reads values is named so.
-    from shapewise.lower.lower import _reads_values
+    from shapewise.lower.compile import reads_item_values
 
-    assert _reads_values(torch.fx.symbolic_trace(_splits_by_counts))
-    assert not _reads_values(torch.fx.symbolic_trace(_view_valid_at_two))
+    assert reads_item_values(torch.fx.symbolic_trace(_splits_by_counts))
+    assert not reads_item_values(torch.fx.symbolic_trace(_view_valid_at_two))
 
 
 def test_a_tensor_subclass_weight_compiles_per_size():

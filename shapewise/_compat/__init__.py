@@ -20,6 +20,8 @@ from shapewise._compat.inductor import *  # noqa: F403
 from shapewise._compat.inductor import __all__ as _inductor_all
 from shapewise._compat.ops import *  # noqa: F403
 from shapewise._compat.ops import __all__ as _ops_all
+from shapewise._compat.precompile import *  # noqa: F403
+from shapewise._compat.precompile import __all__ as _precompile_all
 from shapewise._compat.shapes import *  # noqa: F403
 from shapewise._compat.shapes import TORCH_VERSION
 from shapewise._compat.shapes import __all__ as _shapes_all
@@ -38,6 +40,7 @@ __all__ = [
     *_cuda_all,
     *_distributed_all,
     *_dynamo_all,
+    *_precompile_all,
     *_inductor_all,
     *_ops_all,
 ]

@@ -15,7 +15,7 @@ from shapewise.errors import BindingError
 from shapewise.ir.program import Binding, Piece, TensorMeta
 from shapewise.ir.symbolic import INT_MAX, evaluate, range_hint
 
-__all__ = ['example_args', 'fake_at', 'narrowed_example_args']
+__all__ = ['example_args', 'example_args_from_layouts', 'example_layouts', 'fake_at', 'narrowed_example_args']
 
 def _fake(meta: TensorMeta, mode: FakeTensorMode, conv: Callable[[Any], Any], symbolic: bool,
           shape: list[Any], stride: list[Any], offset: Any) -> torch.Tensor:
@@ -109,6 +109,14 @@ def narrowed_example_args(piece: Piece, args: Sequence[Any], binding: Binding) -
     """Example inputs for ``binding``, a part of the range of the variant whose example inputs
     are ``args``, laid out as those are (their strides and offsets over that variant's symbols,
     evaluated in the part: what the pieces around it were compiled to make)."""
+    return example_args_from_layouts(piece, binding, example_layouts(piece, args, binding))
+
+
+def example_layouts(piece: Piece, args: Sequence[Any], binding: Binding) -> list[Any]:
+    """Per input of ``args`` (a variant's example inputs), its layout as plain data over the trace's
+    symbols, evaluated at ``binding`` where it is static: (shape, stride, offset, dtype) for a
+    static binding, (strides, offset) as expressions for a range, None for a non-tensor or a
+    subclass (a saved program keeps these, ``example_args_from_layouts`` makes the inputs again)."""
     env = _compat.shape_env_of(args)
     mode = _compat.FakeTensorMode(shape_env=env) if env is not None else None
     by_name = {str(s): s for s in piece.shapes.symbols}
@@ -119,20 +127,32 @@ def narrowed_example_args(piece: Piece, args: Sequence[Any], binding: Binding) -
     def over_trace(e: Any) -> sympy.Expr:
         return sympy.sympify(_compat.sym_expr(e)).xreplace(back)
 
-    observed: list[Any] = []
+    out: list[Any] = []
     for a in args:
         if not isinstance(a, torch.Tensor) or _compat.is_traceable_wrapper_subclass(a):
-            observed.append(None)
+            out.append(None)
             continue
         stride, offset = [over_trace(d) for d in a.stride()], over_trace(a.storage_offset())
         if binding.is_static:
-            shape = [evaluate(over_trace(d), values) for d in a.shape]
-            st, off = [evaluate(d, values) for d in stride], evaluate(offset, values)
-            observed.append(torch.empty(storage_length(shape, st, off), dtype=a.dtype, device="meta")
-                            .as_strided(shape, st, off))
+            shape = tuple(evaluate(over_trace(d), values) for d in a.shape)
+            out.append((shape, tuple(evaluate(d, values) for d in stride), evaluate(offset, values), a.dtype))
         else:
-            observed.append((tuple(stride), offset))
-    return example_args(piece, binding, observed=observed)
+            out.append((tuple(stride), offset))
+    return out
+
+
+def example_args_from_layouts(piece: Piece, binding: Binding, layouts: Sequence[Any],
+                              mode: FakeTensorMode | None = None) -> tuple[Any, ...]:
+    """``example_args`` of ``piece`` at ``binding`` laid out as ``layouts`` say (``example_layouts``)."""
+    observed: list[Any] = []
+    for layout in layouts:
+        if layout is not None and len(layout) == 4:
+            shape, stride, offset, dtype = layout
+            observed.append(torch.empty(storage_length(shape, stride, offset), dtype=dtype, device="meta")
+                            .as_strided(shape, stride, offset))
+        else:
+            observed.append(layout)
+    return example_args(piece, binding, mode, observed=observed)
 
 
 def _range_env(binding: Binding, hints: Mapping[sympy.Symbol, int], free: Sequence[sympy.Symbol] = (),

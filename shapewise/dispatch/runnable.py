@@ -12,6 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from shapewise import _compat
 from shapewise.dispatch.capture import capture_now
 from shapewise.dispatch.runtime import DispatchRuntime, _GeneralVariant, build_runtime
 from shapewise.dispatch.table import DispatchTable
@@ -59,12 +60,26 @@ class CompileReport(Report):
         return html_table(self, self.columns, caption=self.total_line())
 
 
-class Runnable:
+class Runnable(_compat.SerializableCallable):
     """What ``Pipeline.run`` returns: call it like the traced graph.
 
     ``program``: the final Program; ``trace``: each stage's record; ``report()``: one row per
-    (piece, variant) with piece, key, static, seconds, source.
+    (piece, variant) with piece, key, static, seconds, source. Savable (``dispatch.saved``): as
+    what a backend returns, ``torch.compile(model, backend="shapewise").aot_compile(...)`` saves
+    it with Dynamo's trace, and ``torch.compiler.load_compiled_function`` loads it again.
     """
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: Runnable) -> bytes:
+        from shapewise.dispatch.saved import program_bytes
+
+        return program_bytes(fn)
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> Runnable:
+        from shapewise.dispatch.saved import load_program
+
+        return cls(load_program(data))
 
     def __init__(self, program: Program, trace: Sequence[PassRecord] = ()) -> None:
         self.program = program

@@ -192,7 +192,8 @@ class Variant:
     ``gm``: this variant's own graph when graph passes rewrote it (None: the piece's graph);
     ``passes``: the ``uuid()`` of each graph pass applied, in order; ``inductor_passes``: the
     post-grad passes Inductor runs when it compiles this variant; ``inductor_options``: the
-    Inductor config the applied graph passes need, as sorted (name, value) pairs.
+    Inductor config the applied graph passes need, as sorted (name, value) pairs;
+    ``artifact_key``: (its artifact's content key, whether it may be on disk), set by ``Lower``.
     """
 
     binding: Binding
@@ -203,6 +204,7 @@ class Variant:
     passes: tuple[str, ...] = ()
     inductor_passes: tuple[Any, ...] = ()
     inductor_options: tuple[tuple[str, Any], ...] = ()
+    artifact_key: tuple[str, bool] | None = None
 
     @property
     def pass_labels(self) -> list[str]:

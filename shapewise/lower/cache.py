@@ -113,8 +113,9 @@ def encode(key: str, sections: Mapping[str, bytes], info: Mapping[str, Any]) -> 
     return b"".join([MAGIC, struct.pack(">Q", len(head)), head, *sections.values()])
 
 
-def decode(data: bytes, key: str) -> Entry:
-    """Verify and split a cache file; raises ``CacheCorrupt`` saying what is wrong."""
+def decode(data: bytes, key: str, section: str = "inductor") -> Entry:
+    """Verify and split a cache file that must hold ``section`` (an Inductor artifact's, or a saved
+    model's traces: ``shapewise.warm``); raises ``CacheCorrupt`` saying what is wrong."""
     if not data.startswith(MAGIC):
         if not data:
             raise CacheCorrupt("empty")
@@ -151,8 +152,8 @@ def decode(data: bytes, key: str) -> Entry:
         pos += size
     if pos != len(data):
         raise CacheCorrupt(f"{len(data) - pos} unexpected trailing bytes")
-    if "inductor" not in sections:
-        raise CacheCorrupt("no Inductor artifact section")
+    if section not in sections:
+        raise CacheCorrupt("no Inductor artifact section" if section == "inductor" else f"no {section!r} section")
     return Entry(header, sections)
 
 
@@ -194,13 +195,13 @@ class ArtifactCache:
         return str(d)
 
     # -- reading -----------------------------------------------------------------------------
-    def read(self, key: str) -> Entry | None:
-        """The verified entry for ``key``; None if absent; ``CacheCorrupt`` if unusable."""
+    def read(self, key: str, section: str = "inductor") -> Entry | None:
+        """The verified entry for ``key`` (holding ``section``); None if absent; ``CacheCorrupt`` if unusable."""
         try:
             data = self.path(key).read_bytes()
         except FileNotFoundError:
             return None
-        return decode(data, key)
+        return decode(data, key, section)
 
     def compiled_by(self, key: str) -> int | None:
         """The rank of torch.distributed that stored ``key`` (None if unknown)."""

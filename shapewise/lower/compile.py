@@ -18,7 +18,7 @@ from shapewise import _compat
 from shapewise.errors import CompileError
 from shapewise.ir.program import Binding, Piece, Variant
 
-__all__ = ["MOST_PARTS", "RangeParts", "compile_static", "lower_variant"]
+__all__ = ["MOST_PARTS", "RangeParts", "compile_static", "lower_variant", "reads_item_values"]
 
 log = logging.getLogger("shapewise")
 
@@ -242,3 +242,10 @@ def _some_size_reaches_one(piece: Piece, variant: Variant) -> bool:
             if v.free_symbols or v <= 1:
                 return True
     return False
+
+
+def reads_item_values(gm: torch.fx.GraphModule) -> bool:
+    """Whether a piece reads a tensor's values into Python (``.item()``, ``.tolist()``: a MoE's
+    expert token counts), so that sizes inside it come from data."""
+    return any(n.op == "call_method" and n.target in ("item", "tolist") or
+               n.op == "call_function" and "_local_scalar_dense" in str(n.target) for n in gm.graph.nodes)

@@ -30,7 +30,7 @@ from shapewise.ir.keys import binding_key, graph_key
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta, Variant
 from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.cache import ArtifactCache, resolve_cache
-from shapewise.lower.compile import lower_variant
+from shapewise.lower.compile import lower_variant, reads_item_values
 from shapewise.lower.lean import drop_size_asserts, expected_layouts, lean_call, lean_splitting_call
 from shapewise.lower.workers import WorkerPool, resolve_workers, task_bytes
 from shapewise.passes.base import Pass, register_pass
@@ -103,8 +103,9 @@ class CompileSession:
         self._build: dict[frozenset, str] = {}
         self.rank, self.world = _compat.rank_and_world()
         self.workers: WorkerPool | None = None  # compile_all's, while it runs (compile_workers > 1)
+        #: (piece name, binding) -> (content key, to disk?): made here, or a loaded program's (dispatch.saved)
+        self.keys: dict[tuple[str, Binding], tuple[str | None, bool]] = {}
 
-    # -- keys ------------------------------------------------------------------------------
     def graph_key(self, piece: Piece):
         """The piece's ``GraphKey`` (memoised per graph), or None if it cannot be keyed."""
         with self._lock:
@@ -126,6 +127,9 @@ class CompileSession:
 
     def variant_key(self, piece: Piece, variant: Variant) -> tuple[str | None, bool]:
         """(content key of this compile or None, whether it may be stored on disk)."""
+        known = self.keys.get((piece.name, variant.binding))
+        if known is not None:
+            return known
         gk = self.graph_key(piece)
         if gk is None:
             return None, False
@@ -147,7 +151,10 @@ class CompileSession:
         disk = self.cache is not None and not any(" at 0x" in part for part in (options, *uuids))
         if self.lower.backend == "inductor":
             parts.append(f"build={self._build_part(piece)}")
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest(), disk
+        out = hashlib.sha256("\n".join(parts).encode()).hexdigest(), disk
+        with self._lock:
+            self.keys[piece.name, variant.binding] = out
+        return out
 
     def options(self, piece: Piece, variant: Variant) -> dict[str, Any]:
         """The backend options of this compile: what the variant's graph passes need
@@ -214,7 +221,7 @@ class CompileSession:
                         self._memo[key] = (fn, compiled_by)
         except Exception as e:  # noqa: BLE001 - reported with context below
             hint = ""
-            if "DataDependent" in type(e).__name__ or "DataDependent" in str(e) or _reads_values(piece.gm):
+            if "DataDependent" in type(e).__name__ or "DataDependent" in str(e) or reads_item_values(piece.gm):
                 hint = (" (the piece reads a tensor's value: .item(), nonzero, a data-dependent size, which a "
                         "compile from example inputs cannot; pass on_compile_error='fallback' to run this piece "
                         "eagerly, or register the op that does it as a splitting op)")
@@ -248,7 +255,7 @@ class CompileSession:
             report["rank"] = self.rank if source == "fallback" else compiled_by
         if error:
             report["error"] = error
-        out = dataclasses.replace(variant, compiled=fn, report=report)
+        out = dataclasses.replace(variant, compiled=fn, report=report, artifact_key=(key, disk) if key else None)
         with self._lock:
             self.counts[source] += 1
             self.results[(piece.name, variant.binding)] = out
@@ -473,7 +480,8 @@ class Lower(Pass):
         """Compile one variant (through ``session`` when given: dedupe and cache)."""
         return (session or self.session()).compile(piece, variant)
 
-    def apply(self, program: Program) -> Program:
+    def apply(self, program: Program, session: CompileSession | None = None) -> Program:
+        """The variants compiled (in ``session``: one that knows their keys, for a loaded program)."""
         if self.lean:  # splitting pieces that are one custom op's call: called past its dispatch where it has no work
             program = program.replace(pieces=tuple(
                 dataclasses.replace(p, call=lean_splitting_call(p)) if p.is_splitting else p for p in program.pieces))
@@ -482,7 +490,7 @@ class Lower(Pass):
                 p, variants=tuple(dataclasses.replace(v, compiled=None, report=self._pending_row(p, v))
                                   for v in p.variants)) for p in program.pieces)
         else:
-            pieces = self.session().compile_all(program.pieces)
+            pieces = (session or self.session()).compile_all(program.pieces)
         return program.replace(pieces=pieces, lowering=self)
 
     def _pending_row(self, piece: Piece, variant: Variant) -> dict[str, Any]:
@@ -490,9 +498,3 @@ class Lower(Pass):
                 "static": variant.binding.is_static, "seconds": 0.0, "source": "pending",
                 "backend": self.backend_name, "artifact": None}
 
-
-def _reads_values(gm: torch.fx.GraphModule) -> bool:
-    """Whether a piece reads a tensor's values into Python (``.item()``, ``.tolist()``: a MoE's
-    expert token counts), so that sizes inside it come from data."""
-    return any(n.op == "call_method" and n.target in ("item", "tolist") or
-               n.op == "call_function" and "_local_scalar_dense" in str(n.target) for n in gm.graph.nodes)

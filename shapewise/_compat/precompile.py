@@ -1,0 +1,187 @@
+"""Saving what a compile made, with torch's own machinery: fx graphs with their fake values
+(``torch.fx._graph_pickler.GraphPickler``, what Inductor's and AOTAutograd's caches use) and
+Dynamo's output with its guards (``torch._dynamo.aot_compile``: the capture, its guards and its
+bytecode, saved and loaded; what ``torch.compile(...).aot_compile`` and
+``torch.compiler.load_compiled_function`` are built on). Both exist in torch 2.11 and 2.13;
+``HAS_AOT_COMPILE`` says whether this torch has the second."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "aot_trace", "compiles_as_usual", "graph_dumps",
+           "graph_loads", "load_aot_trace", "recompile_loaded"]
+
+try:  # torch >= 2.10
+    from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
+    from torch._dynamo.aot_compile_types import SerializableCallable
+    from torch._dynamo.hooks import Hooks
+
+    HAS_AOT_COMPILE = True
+except ImportError:  # pragma: no cover - older torch
+    HAS_AOT_COMPILE = False
+
+    class SerializableCallable:  # type: ignore[no-redef]
+        """Stand-in base where torch has no ``aot_compile_types``."""
+
+
+_DROPPED_META: frozenset[str] = frozenset()
+
+
+def _options() -> Any:
+    from torch.fx import _graph_pickler as gp
+
+    safe = gp._node_metadata_key_filter_safe
+    # Every op is allowed (custom ops are looked up by name on load: their library must be imported).
+    return gp.Options(ops_filter=None, node_metadata_key_filter=lambda k: k not in _DROPPED_META and safe(k))
+
+
+def graph_dumps(obj: Any, gms: Any = ()) -> bytes:
+    """``obj`` (GraphModules, fake tensors, SymInts, sympy, plain data inside) as bytes. ``gms``: the
+    GraphModules in it, whose nodes' fake values that are views are saved as plain tensors of the
+    same layout (a view's description holds its base in Dynamo's fake mode, which does not pickle)."""
+    from torch.fx._graph_pickler import GraphPickler
+
+    with _views_detached(gms):
+        return GraphPickler.dumps(obj, _options())
+
+
+@contextlib.contextmanager
+def _views_detached(gms: Any) -> Any:
+    import torch.utils._pytree as pytree
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def detach(v: Any) -> Any:
+        if not isinstance(v, FakeTensor) or not v._is_view():
+            return v
+        with v.fake_mode:
+            out = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        return out.requires_grad_(v.requires_grad) if v.requires_grad and v.is_leaf else out
+
+    swapped = []
+    for gm in gms:
+        for m in gm.modules():
+            if not isinstance(m, torch.fx.GraphModule):
+                continue
+            for node in m.graph.nodes:
+                for k in ("example_value", "val"):
+                    if k in node.meta:
+                        new = pytree.tree_map(detach, node.meta[k])
+                        swapped.append((node.meta, k, node.meta[k]))
+                        node.meta[k] = new
+    try:
+        yield
+    finally:
+        for meta, k, v in reversed(swapped):
+            meta[k] = v
+
+
+def graph_loads(data: bytes) -> Any:
+    """What ``graph_dumps`` saved; fake values come back in one fresh fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+
+
+def compiles_as_usual() -> Any:
+    """A context for compiles made while torch loads a saved trace: it loads the backend's callable
+    with ``enable_autograd_for_aot`` on, under which Inductor's artifacts do not save."""
+    from torch._inductor import config
+
+    return config.patch(enable_autograd_for_aot=False) if hasattr(config, "enable_autograd_for_aot") else \
+        contextlib.nullcontext()
+
+
+def recompile_loaded(gm: torch.fx.GraphModule) -> None:
+    """Give a GraphModule ``graph_loads`` made (and its GraphModule submodules) their ``forward``
+    again (GraphPickler restores the graph, not the code generated from it), and each node the
+    ``example_value`` Dynamo gave it, as its saved ``val`` (AOTAutograd's cache reads it)."""
+    for m in gm.modules():
+        if isinstance(m, torch.fx.GraphModule):
+            for node in m.graph.nodes:
+                if "val" in node.meta:
+                    node.meta.setdefault("example_value", node.meta["val"])
+            m.recompile()
+
+
+_AOT_PATCHED = ("strict_autograd_cache", "bypass_autograd_cache_key", "bundled_autograd_cache",
+                "force_non_lazy_backward_lowering", "force_autograd_cache")
+
+
+class AOTTrace:
+    """One Dynamo trace made ahead of its call, savable: ``check(*args, **kwargs)`` runs its guards,
+    ``__call__`` its bytecode (which calls the backend's callable), ``dumps()`` its bytes."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    def check(self, *args: Any, **kwargs: Any) -> bool:
+        return bool(self._fn.guard_check(*args, **kwargs))
+
+    def why_not(self, *args: Any, **kwargs: Any) -> str:
+        """The first guard that fails for these arguments."""
+        f_locals = self._fn.prepare_f_locals(*args, **kwargs)
+        return str(self._fn._artifacts.guard_manager.check_verbose(f_locals).reason)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn.fn(*args, **kwargs)
+
+    @property
+    def compiled(self) -> Any:
+        """What the backend returned for this trace."""
+        return self._fn._artifacts.compiled_fn
+
+    def dumps(self) -> bytes:
+        return type(self._fn).serialize(self._fn).serialized_data
+
+    def changed_sources(self) -> list[str]:
+        """The traced functions whose source changed since the trace (module:first line); [] when none."""
+        import importlib
+
+        from torch._dynamo.package import _hash_sourcelines
+
+        out = []
+        for src in sorted(self._fn.source_info().inlined_sources, key=lambda s: (s.module, s.firstlineno)):
+            try:
+                same = _hash_sourcelines(importlib.import_module(src.module), src.firstlineno,
+                                         src.lastlineno) == src.checksum
+            except Exception:  # noqa: BLE001 - a module that is gone or unreadable changed
+                same = False
+            if not same:
+                out.append(f"{src.module}:{src.firstlineno}")
+        return out
+
+
+def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callable[..., Any]) -> AOTTrace:
+    """Dynamo's full-graph trace of ``fn`` at ``(args, kwargs)`` (their dynamic marks apply),
+    its graph compiled by ``backend``, which must return a ``SerializableCallable``."""
+    if not HAS_AOT_COMPILE:  # pragma: no cover
+        raise RuntimeError(f"torch {torch.__version__} has no torch._dynamo.aot_compile")
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    # aot_compile patches AOTAutograd's cache config for its own backends (a bundled, forced cache);
+    # shapewise's compiles run under the session's own, so their artifacts save as they do elsewhere.
+    functorch = torch._functorch.config
+    own = {k: getattr(functorch, k) for k in _AOT_PATCHED if hasattr(functorch, k)}
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        try:
+            with functorch.patch(own):
+                return backend(gm, example_inputs)
+        except Exception as e:  # as torch.compile raises it: backend_error_cause finds the backend's own error
+            raise BackendCompilerFailed(backend, e, None) from e
+
+    return AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(), backend=compile_graph))
+
+
+def load_aot_trace(data: bytes, f_globals: dict[str, Any] | None = None) -> AOTTrace:
+    """An ``AOTTrace`` from ``dumps()``'s bytes (raises on a foreign build or a broken file)."""
+    if not HAS_AOT_COMPILE:  # pragma: no cover
+        raise RuntimeError(f"torch {torch.__version__} has no torch._dynamo.aot_compile")
+    return AOTTrace(AOTCompiledFunction.deserialize(data, f_globals))

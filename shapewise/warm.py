@@ -1,0 +1,174 @@
+"""Warm starts: ``sw.compile(model, ..., warm_start=True)`` (and ``compile_generate``) save each
+Dynamo trace whole, and the next start loads them instead of tracing.
+
+Each trace is made by torch's ``aot_compile`` (``_compat.aot_trace``: Dynamo's full-graph capture,
+its guards and its bytecode, which torch can save) with shapewise's pipeline as the backend; what
+the backend returns, the ``Runnable``, saves its program (``dispatch.saved``: the graphs, shape
+facts, plans and artifact keys, not the compiled code). After each new trace, the model's traces
+are written together as one file of the artifact cache, under a key of everything that can change
+the answer: the torch / Triton / CUDA build and the GPUs, Inductor's config, shapewise's version
+and options, the model's class and config, grad mode. Loading checks the file as every cache file
+is checked, then each trace's traced source lines (a model whose code changed since is traced
+again), and lowers each program again from the artifact cache by its saved keys (a missing
+artifact compiles). A call runs the first trace whose guards pass (Dynamo's own guards, loaded
+with it); a call no trace serves traces again and the file is written anew.
+
+Anything that goes wrong (no key: an option that is a live object; a file from another build, a
+broken one, a changed model; a program that does not save) is a cold start with a log line saying
+why, never a failed call. ``ShapewiseModule.warm_info`` says what happened.
+
+Limits: direct calls (``direct_call=True``) are off under ``warm_start`` (they are generated from
+Dynamo's placeholders, which a loaded trace does not keep); models given as a module or a
+function; the disk cache must be on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from shapewise import _compat
+from shapewise.dispatch.saved import NotSaved
+from shapewise.lower.cache import CacheCorrupt, resolve_cache
+from shapewise.version import __version__
+
+__all__ = ["FORMAT", "WarmTraces"]
+
+log = logging.getLogger("shapewise")
+
+FORMAT = "shapewise-warm/1"
+SECTION = "traces"
+
+
+def _config_text(model: Any) -> str:
+    config = getattr(model, "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if callable(to_json):
+        try:
+            return to_json(use_diff=False)
+        except Exception:  # noqa: BLE001 - a config that will not print is keyed by its repr
+            pass
+    return repr(config) if config is not None else ""
+
+
+class WarmTraces:
+    """The saved traces of one compiled model: ``load()`` once, ``serve()`` per call, ``trace()``
+    for a call none serves (then ``save()``). ``info``: what happened, for ``warm_info``."""
+
+    def __init__(self, model: Any, options: Mapping[str, Any], dynamic_dims: Any) -> None:
+        self.model = model
+        self.traces: list[Any] = []  # _compat.AOTTrace, most recent last
+        self.fixed: list[dict[str, int | None]] = []
+        self.loaded_from: str | None = None
+        self.info = "warm start: nothing saved or loaded yet"
+        self._tried = False
+        self._self = (model,) if isinstance(model, torch.nn.Module) else ()
+        self.cache = resolve_cache(options.get("cache"))
+        self.key, why = self._key(options, dynamic_dims)
+        if why is not None:
+            self.info = f"warm start off: {why}"
+            log.info("shapewise: %s", self.info)
+
+    def _key(self, options: Mapping[str, Any], dynamic_dims: Any) -> tuple[str | None, str | None]:
+        if not _compat.HAS_AOT_COMPILE:
+            return None, f"torch {torch.__version__} has no torch._dynamo.aot_compile"
+        if self.cache is None:
+            return None, "the disk cache is off (cache=False or SHAPEWISE_CACHE=0): traces are saved there"
+        model = self.model
+        if not isinstance(model, torch.nn.Module) and not callable(getattr(model, "__code__", None)) \
+                and not hasattr(model, "__code__"):
+            return None, f"the model is a {type(model).__name__}, not a module or a function"
+        opts = repr(sorted((k, v) for k, v in options.items() if k not in ("progress", "compile_workers")))
+        if " at 0x" in opts or " at 0x" in repr(dynamic_dims):
+            return None, "an option is a live object with no stable identity (a callable, an instrument)"
+        devices = sorted({str(p.device) for p in model.parameters()} if isinstance(model, torch.nn.Module) else ())
+        cls = type(model) if isinstance(model, torch.nn.Module) else model
+        parts = [FORMAT, f"shapewise={__version__}", f"build={sorted(_compat.build_fingerprint(devices).items())}",
+                 f"inductor={_compat.inductor_config_fingerprint()}",
+                 f"model={getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}",
+                 f"config={_config_text(model)}", f"options={opts}", f"dims={dynamic_dims!r}",
+                 f"grad={torch.is_grad_enabled()}"]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest(), None
+
+    @property
+    def enabled(self) -> bool:
+        return self.key is not None
+
+    # -- loading ---------------------------------------------------------------------------
+    def load(self) -> list[tuple[Any, dict[str, int | None]]]:
+        """The saved traces' (Runnable, fixed dims), once (later calls: []); [] on a cold start."""
+        if self._tried or not self.enabled:
+            return []
+        self._tried = True
+        path = self.cache.path(self.key)
+        t0 = time.perf_counter()
+        try:
+            entry = self.cache.read(self.key, section=SECTION)
+            if entry is None:
+                self.info = "cold start: no saved traces for this model and options yet"
+                return []
+            saved = pickle.loads(entry.sections[SECTION])
+            traces = [_compat.load_aot_trace(data) for data, _ in saved]
+            changed = [c for t in traces for c in t.changed_sources()]
+            if changed:
+                raise CacheCorrupt(f"the model's code changed since its traces were saved ({', '.join(changed[:4])})")
+        except Exception as e:  # noqa: BLE001 - whatever it is, a cold start, and the file is replaced
+            why = str(e) if isinstance(e, CacheCorrupt) else f"{type(e).__name__}: {str(e)[:300]}"
+            self.info = f"cold start: the saved traces in {path} are unusable: {why}"
+            log.warning("shapewise: %s; tracing again", self.info)
+            self.cache.remove(self.key)
+            return []
+        self.traces = traces
+        self.fixed = [dict(fixed) for _, fixed in saved]
+        self.loaded_from = str(path)
+        self.info = (f"warm start: {len(traces)} trace(s) loaded from {path} in {time.perf_counter() - t0:.2f} s "
+                     "(no Dynamo trace)")
+        log.info("shapewise: %s", self.info)
+        return [(t.compiled, f) for t, f in zip(traces, self.fixed)]
+
+    # -- calls -----------------------------------------------------------------------------
+    def serve(self, args: tuple, kwargs: dict, miss: Any) -> Any:
+        """The output of the most recent trace whose guards pass, or ``miss``."""
+        full = (*self._self, *args)
+        for t in reversed(self.traces):
+            if t.check(*full, **kwargs):
+                return t(*full, **kwargs)
+        return miss
+
+    def trace(self, args: tuple, kwargs: dict, backend: Callable[..., Any]) -> Any:
+        """A new trace of this call (Dynamo, then ``backend``), kept; returns the call's output."""
+        fn = self.model
+        t = _compat.aot_trace(fn, args, kwargs, backend)
+        self.traces.append(t)
+        return t(*self._self, *args, **kwargs)
+
+    def forget(self, count: int) -> None:
+        """Drop the traces past the first ``count`` (a trace the caller refused after it was made)."""
+        del self.traces[count:]
+
+    # -- saving ----------------------------------------------------------------------------
+    def save(self, fixed: list[dict[str, int | None]]) -> None:
+        """Write every trace (with each one's fixed dims) as the model's file; a trace that does
+        not save leaves the file as it was, with a log line saying why."""
+        if not self.enabled:
+            return
+        self.fixed = [dict(f) for f in fixed]
+        try:
+            data = pickle.dumps([(t.dumps(), f) for t, f in zip(self.traces, self.fixed)])
+            path = self.cache.write(self.key, {SECTION: data}, {"what": "shapewise traces", "traces": len(self.traces)})
+        except NotSaved as e:
+            self.info = f"warm start: not saved: {e}"
+            log.info("shapewise: %s", self.info)
+            return
+        except Exception as e:  # noqa: BLE001 - a failed save costs the next start its warmth, nothing else
+            self.info = f"warm start: not saved: {type(e).__name__}: {str(e)[:300]}"
+            log.warning("shapewise: %s", self.info)
+            return
+        self.info = f"warm start: {len(self.traces)} trace(s) saved to {path}" + (
+            f" (loaded from it: {self.loaded_from})" if self.loaded_from else "")
