@@ -102,6 +102,9 @@ class ShapewiseModule:
         self.after_call: Callable[[tuple, dict, Any], None] | None = None
         self.miss_note: Callable[[tuple, dict], str | None] | None = None
 
+    def __reduce__(self) -> Any:  # a stand-in in a saved trace's guard state (model.forward = fast), else refused
+        return _compat.guard_stand_in(self)
+
     def _declared_names(self) -> set[str]:
         """Every dim name ``dynamic_dims`` declares (the default's ``n`` without one)."""
         specs = [*(self._dims or {"": {0: DEFAULT_DIM_NAME}}).values(), *self._int_attrs.values(),

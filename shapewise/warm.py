@@ -18,13 +18,14 @@ broken one, a changed model; a program that does not save) is a cold start with 
 why, never a failed call. ``ShapewiseModule.warm_info`` says what happened.
 
 Limits: direct calls (``direct_call=True``) are off under ``warm_start`` (they are generated from
-Dynamo's placeholders, which a loaded trace does not keep); models given as a module or a
-function; the disk cache must be on.
+Dynamo's placeholders, which a loaded trace does not keep); models given as a module, a
+function or a bound method; the disk cache must be on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import pickle
 import time
@@ -68,7 +69,9 @@ class WarmTraces:
         self.loaded_from: str | None = None
         self.info = "warm start: nothing saved or loaded yet"
         self._tried = False
-        self._self = (model,) if isinstance(model, torch.nn.Module) else ()
+        # The traced function's own first argument: the module (its forward traced), a bound method's self.
+        self.owner = model.__self__ if inspect.ismethod(model) else model
+        self._self = (self.owner,) if isinstance(model, torch.nn.Module) or inspect.ismethod(model) else ()
         self.cache = resolve_cache(options.get("cache"))
         self.key, why = self._key(options, dynamic_dims)
         if why is not None:
@@ -80,10 +83,10 @@ class WarmTraces:
             return None, f"torch {torch.__version__} has no torch._dynamo.aot_compile"
         if self.cache is None:
             return None, "the disk cache is off (cache=False or SHAPEWISE_CACHE=0): traces are saved there"
-        model = self.model
-        if not isinstance(model, torch.nn.Module) and not callable(getattr(model, "__code__", None)) \
-                and not hasattr(model, "__code__"):
-            return None, f"the model is a {type(model).__name__}, not a module or a function"
+        model = self.owner
+        if not isinstance(self.model, torch.nn.Module) and not inspect.isfunction(self.model) \
+                and not inspect.ismethod(self.model):
+            return None, f"the model is a {type(self.model).__name__}, not a module, a function or a method"
         opts = repr(sorted((k, v) for k, v in options.items() if k not in ("progress", "compile_workers")))
         if " at 0x" in opts or " at 0x" in repr(dynamic_dims):
             return None, "an option is a live object with no stable identity (a callable, an instrument)"
@@ -114,7 +117,7 @@ class WarmTraces:
                 self.info = "cold start: no saved traces for this model and options yet"
                 return []
             saved = pickle.loads(entry.sections[SECTION])
-            traces = [_compat.load_aot_trace(data) for data, _ in saved]
+            traces = [_compat.load_aot_trace(data, self.model) for data, _ in saved]
             changed = [c for t in traces for c in t.changed_sources()]
             if changed:
                 raise CacheCorrupt(f"the model's code changed since its traces were saved ({', '.join(changed[:4])})")

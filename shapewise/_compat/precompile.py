@@ -8,13 +8,18 @@ bytecode, saved and loaded; what ``torch.compile(...).aot_compile`` and
 from __future__ import annotations
 
 import contextlib
+import importlib
+import pickle
+import re
+import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 __all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "aot_trace", "compiles_as_usual", "graph_dumps",
-           "graph_loads", "load_aot_trace", "recompile_loaded"]
+           "graph_loads", "guard_stand_in", "load_aot_trace", "recompile_loaded"]
 
 try:  # torch >= 2.10
     from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
@@ -30,6 +35,27 @@ except ImportError:  # pragma: no cover - older torch
 
 
 _DROPPED_META: frozenset[str] = frozenset()
+_SAVING = threading.local()
+
+
+class _StandIn:
+    """What a live shapewise object (a compiled model set as ``model.forward``) is in a saved trace's
+    guard state: torch pickles the traced module's attributes, and guards never read this one."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __repr__(self) -> str:
+        return f"<{self.what}, not saved>"
+
+
+def guard_stand_in(obj: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``__reduce__`` for live objects a model may hold: a stand-in while ``aot_trace`` saves its
+    guards, else a TypeError that says what to do."""
+    if getattr(_SAVING, "on", False):
+        return _StandIn, (type(obj).__name__,)
+    raise TypeError(f"a {type(obj).__name__} does not pickle: it holds compiled code; save its traces with "
+                    "warm_start=True instead")
 
 
 def _options() -> Any:
@@ -120,6 +146,8 @@ class AOTTrace:
 
     def __init__(self, fn: Any) -> None:
         self._fn = fn
+        #: The guards left out because torch cannot save them ("ID_MATCH L['x'].attr"), at trace time.
+        self.dropped_guards: list[str] = []
 
     def check(self, *args: Any, **kwargs: Any) -> bool:
         return bool(self._fn.guard_check(*args, **kwargs))
@@ -138,12 +166,17 @@ class AOTTrace:
         return self._fn._artifacts.compiled_fn
 
     def dumps(self) -> bytes:
-        return type(self._fn).serialize(self._fn).serialized_data
+        env = self._fn._artifacts.runtime_env
+        data = type(self._fn).serialize(self._fn, _closure_data(env.closure)).serialized_data
+        # Modules Dynamo's bytecode reads as globals it installed in the traced function's module
+        # ("___module_collections_<id>_c0"): named here, imported again on load.
+        scope = self._fn._extra_globals or {}
+        modules = {ref: scope[ref].__name__ for ref in getattr(env, "external_refs", ())
+                   if isinstance(scope.get(ref), types.ModuleType)}
+        return pickle.dumps({"trace": data, "modules": modules})
 
     def changed_sources(self) -> list[str]:
         """The traced functions whose source changed since the trace (module:first line); [] when none."""
-        import importlib
-
         from torch._dynamo.package import _hash_sourcelines
 
         out = []
@@ -177,11 +210,56 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
         except Exception as e:  # as torch.compile raises it: backend_error_cause finds the backend's own error
             raise BackendCompilerFailed(backend, e, None) from e
 
-    return AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(), backend=compile_graph))
+    from torch._dynamo.convert_frame import get_traced_fn
+
+    dropped: list[str] = []
+    # The traced function's closure (a decorator's wrapped forward): fixed by the model's class,
+    # whose source the saved trace checks; its objects do not save, so neither do guards on them.
+    cells = set(get_traced_fn(fn)[0].__code__.co_freevars)
+
+    def keep(entries: Any) -> list[bool]:
+        # Guards torch cannot save (object identities: ID_MATCH, a module's or function's match; dict
+        # versions; globals) are left out, as torch's own default filter does, and listed.
+        from torch._dynamo.guards import CheckFunctionManager
+
+        bad = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+        out = []
+        for g in entries:
+            ok = not (g.is_global or g.guard_type in bad or bad.intersection(g.derived_guard_types or ())
+                      or re.match(r"\w*", g.name).group() in cells)
+            if not ok:
+                dropped.append(f"{g.guard_type} {g.name}")
+            out.append(ok)
+        return out
+
+    _SAVING.on = True
+    try:
+        # dynamic=False: only the marked dims are dynamic (no automatic dynamic on a second trace), as
+        # shapewise.compile's torch.compile(dynamic=False) has it.
+        t = AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=keep),
+                                           backend=compile_graph, dynamic=False))
+    finally:
+        _SAVING.on = False
+    t.dropped_guards = dropped
+    return t
 
 
-def load_aot_trace(data: bytes, f_globals: dict[str, Any] | None = None) -> AOTTrace:
-    """An ``AOTTrace`` from ``dumps()``'s bytes (raises on a foreign build or a broken file)."""
+def _closure_data(closure: Any) -> dict[str, Any]:
+    """The functions a traced function's closure holds (a decorator's wrapped ``forward``, which
+    pickle cannot find by name: the name is the wrapper's), saved by position and given back on
+    load from the live function's closure."""
+    return {f"closure:{i}": c.cell_contents for i, c in enumerate(closure or ())
+            if callable(c.cell_contents) and not isinstance(c.cell_contents, type)}
+
+
+def load_aot_trace(data: bytes, traced: Any = None) -> AOTTrace:
+    """An ``AOTTrace`` from ``dumps()``'s bytes (raises on a foreign build or a broken file);
+    ``traced``: the model (module, function or method) it was traced from, live in this process."""
     if not HAS_AOT_COMPILE:  # pragma: no cover
         raise RuntimeError(f"torch {torch.__version__} has no torch._dynamo.aot_compile")
-    return AOTTrace(AOTCompiledFunction.deserialize(data, f_globals))
+    from torch._dynamo.convert_frame import get_traced_fn
+
+    saved = pickle.loads(data)
+    closure = get_traced_fn(traced)[0].__closure__ if traced is not None else None
+    f_globals = {ref: importlib.import_module(name) for ref, name in saved["modules"].items()}
+    return AOTTrace(AOTCompiledFunction.deserialize(saved["trace"], f_globals, _closure_data(closure)))
