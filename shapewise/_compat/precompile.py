@@ -155,7 +155,7 @@ class AOTTrace:
     def why_not(self, *args: Any, **kwargs: Any) -> str:
         """The first guard that fails for these arguments."""
         f_locals = self._fn.prepare_f_locals(*args, **kwargs)
-        return str(self._fn._artifacts.guard_manager.check_verbose(f_locals).reason)
+        return "; ".join(self._fn._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn.fn(*args, **kwargs)

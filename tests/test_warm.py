@@ -1,0 +1,233 @@
+"""Warm starts (``warm_start=True``, ``shapewise.warm``): a second start loads its traces and traces
+nothing; what it loads answers as eager does at every size; anything that changed (options, the
+model's code, a broken file) is a cold start that still answers right; a call no loaded trace
+serves traces again. Structural tests use aot_eager; one fresh-process test uses Inductor and
+checks that every variant comes from the artifact cache."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import shapewise as sw
+from shapewise import _compat
+from shapewise.backend import shapewise_backend
+from shapewise.models import ATTENTION_OP, MLP, ToyTransformer
+from tests.helpers import assert_same
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not _compat.HAS_AOT_COMPILE, reason="this torch has no torch._dynamo.aot_compile")
+
+
+def toy() -> ToyTransformer:
+    torch.manual_seed(0)
+    return ToyTransformer(vocab=64, dim=16, heads=2, hidden=32, layers=1).eval()
+
+
+def compiled(model, cache, **options):
+    opts = dict(sizes=[1, 2], ranges=[(3, 16)], splitting_ops=[ATTENTION_OP], backend="aot_eager", progress=False)
+    return sw.compile(model, cache=str(cache), warm_start=True, **{**opts, **options})
+
+
+def check_sizes(fast, model, sizes=(1, 2, 3, 11, 16)) -> None:
+    for n in sizes:
+        ids = torch.randint(0, 64, (n,))
+        assert_same(fast(ids), model(ids), f"n={n}")
+
+
+def no_tracing(monkeypatch) -> None:
+    def refuse(*a, **k):
+        raise AssertionError("a warm start traced with Dynamo")
+
+    monkeypatch.setattr(_compat, "aot_trace", refuse)
+
+
+def test_a_second_start_loads_its_traces_and_traces_nothing(tmp_path, monkeypatch):
+    model = toy()
+    first = compiled(model, tmp_path)
+    check_sizes(first, model)
+    assert first.warm_info.startswith("warm start: 1 trace(s) saved to"), first.warm_info
+    no_tracing(monkeypatch)
+    again = toy()  # a fresh model object with the same weights, as a new process makes
+    second = compiled(again, tmp_path)
+    check_sizes(second, again)
+    assert second.warm_info.startswith("warm start: 1 trace(s) loaded from"), second.warm_info
+    assert second.traces == 1
+    assert [r["key"] for r in second.report()] == [r["key"] for r in first.report()]
+
+
+def test_the_loaded_program_reads_the_models_weights_at_each_call(tmp_path):
+    compiled(toy(), tmp_path)(torch.randint(0, 64, (4,)))
+    other = toy()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    fast = compiled(other, tmp_path)
+    check_sizes(fast, other)
+    assert "loaded" in fast.warm_info
+
+
+def test_changed_options_are_a_cold_start(tmp_path):
+    model = toy()
+    compiled(model, tmp_path)(torch.randint(0, 64, (2,)))
+    fast = compiled(model, tmp_path, sizes=[1, 2, 8], ranges=())
+    check_sizes(fast, model, (1, 2, 8))
+    assert "saved" in fast.warm_info and "loaded" not in fast.warm_info, fast.warm_info
+
+
+def test_a_broken_file_is_a_cold_start_that_replaces_it(tmp_path, caplog):
+    model = toy()
+    first = compiled(model, tmp_path)
+    first(torch.randint(0, 64, (2,)))
+    path = Path(first.warm_info.split(" saved to ", 1)[1])
+    path.write_bytes(path.read_bytes()[:200])
+    second = compiled(model, tmp_path)
+    check_sizes(second, model)
+    assert "unusable" in caplog.text and "truncated" in caplog.text
+    assert second.warm_info.startswith("warm start: 1 trace(s) saved"), second.warm_info
+    third = compiled(model, tmp_path)
+    third(torch.randint(0, 64, (2,)))
+    assert "loaded" in third.warm_info, third.warm_info
+
+
+def test_a_model_whose_code_changed_is_traced_again(tmp_path, monkeypatch, caplog):
+    src = tmp_path / "warm_model_mod.py"
+    code = textwrap.dedent("""
+        import torch
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = torch.nn.Linear(8, 8)
+            def forward(self, x):
+                return torch.relu(self.lin(x)) * SCALE
+    """)
+    src.write_text(code.replace("SCALE", "2.0"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("warm_model_mod")
+    torch.manual_seed(0)
+    net = mod.Net()
+    opts = dict(sizes=[2, 3], backend="aot_eager", progress=False)
+    sw.compile(net, cache=str(tmp_path / "c"), warm_start=True, **opts)(torch.randn(2, 8))
+    src.write_text(code.replace("SCALE", "3.0"))
+    mod = importlib.reload(mod)
+    torch.manual_seed(0)
+    net2 = mod.Net()
+    fast = sw.compile(net2, cache=str(tmp_path / "c"), warm_start=True, **opts)
+    for n in (2, 3):
+        x = torch.randn(n, 8)
+        assert_same(fast(x), net2(x))
+    assert "code changed" in caplog.text and "warm_model_mod" in caplog.text
+
+
+def test_a_call_no_loaded_trace_serves_traces_again_and_both_are_saved(tmp_path):
+    torch.manual_seed(0)
+    mlp = MLP(dim=8, hidden=16).eval()
+    opts = dict(sizes=[2, 3], backend="aot_eager", progress=False, cache=str(tmp_path), warm_start=True)
+    first = sw.compile(mlp, **opts)
+    first(torch.randn(2, 8))
+    second = sw.compile(mlp, **opts)
+    x = torch.randn(3, 8)
+    assert_same(second(x), mlp(x))
+    assert second.traces == 1 and "loaded" in second.warm_info
+    with torch.no_grad():  # grad mode: a guard the loaded trace fails
+        y = second(x)
+    assert second.traces == 2 and "2 trace(s) saved" in second.warm_info
+    assert_same(y, mlp(x))
+    third = sw.compile(mlp, **opts)
+    third(torch.randn(3, 8))  # (x carries the dynamic marks of the second start's trace: Dynamo guards those)
+    assert third.traces == 2 and "2 trace(s) loaded" in third.warm_info
+
+
+def test_warm_start_off_says_why(tmp_path):
+    fast = sw.compile(MLP(dim=8, hidden=16), sizes=[2], backend="aot_eager", cache=False, warm_start=True,
+                      progress=False)
+    assert "disk cache is off" in fast.warm_info
+    x = torch.randn(2, 8)
+    assert_same(fast(x), fast.model(x))
+    fast = sw.compile(MLP(dim=8, hidden=16), sizes=[2], backend=lambda gm, ex: gm, cache=str(tmp_path),
+                      warm_start=True, progress=False)
+    assert "live object" in fast.warm_info
+    assert "off" in sw.compile(MLP(), sizes=[2]).warm_info
+    with pytest.raises(sw.ConfigError, match="warm_start must be True or False"):
+        sw.compile(MLP(), sizes=[2], warm_start="yes")
+
+
+def test_a_compiled_model_does_not_pickle_and_says_what_to_do():
+    with pytest.raises(TypeError, match="warm_start=True"):
+        pickle.dumps(sw.compile(MLP(), sizes=[2], backend="aot_eager"))
+
+
+def test_the_backend_entry_saves_through_torchs_aot_compile(tmp_path):
+    model = toy()
+    backend = functools.partial(shapewise_backend, options=dict(
+        sizes=[2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP], backend="aot_eager", progress=False))
+    ids = torch.randint(0, 64, (8,))
+    torch._dynamo.mark_dynamic(ids, 0)
+    fn = torch.compile(model.forward, backend=backend, fullgraph=True).aot_compile(((ids,), {}))
+    fn.save_compiled_function(str(tmp_path / "fn.bin"))
+    with open(tmp_path / "fn.bin", "rb") as f:
+        loaded = torch.compiler.load_compiled_function(f)
+    for n in (2, 4, 5, 16):
+        x = torch.randint(0, 64, (n,))
+        assert_same(loaded(model, x), model(x), f"n={n}")
+
+
+def test_compile_generate_warm_start_gives_eagers_tokens_without_tracing(tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, 96, (1, 6))
+
+    def start():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, disable_compile=True)
+        fast = sw.compile_generate(model, prompt_sizes=[6], max_length=16, static_cache=True, backend="aot_eager",
+                                   cache=str(tmp_path), warm_start=True, progress=False)
+        out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert out.tolist() == ref.tolist()
+        return fast
+
+    first = start()
+    assert first.traces == 2 and "2 trace(s) saved" in first.warm_info, first.warm_info
+    no_tracing(monkeypatch)
+    second = start()
+    assert second.traces == 2 and "2 trace(s) loaded" in second.warm_info, second.warm_info
+
+
+CHILD = """
+import json, sys, time, torch
+t0 = time.perf_counter()
+import shapewise as sw
+from shapewise.models import MLP
+torch.manual_seed(0)
+mlp = MLP(dim=16, hidden=32).eval()
+fast = sw.compile(mlp, sizes=[2, 4], ranges=[(5, 32)], cache=sys.argv[1], warm_start=True, progress=False)
+ok = all(torch.allclose(fast(x), mlp(x), atol=1e-5) for x in (torch.randn(n, 16) for n in (2, 4, 7, 32)))
+print(json.dumps({"ok": ok, "info": fast.warm_info, "sources": [r["source"] for r in fast.report()]}))
+"""
+
+
+@pytest.mark.inductor
+def test_inductor_warm_start_in_a_fresh_process_loads_every_variant_from_the_cache(tmp_path):
+    def child():
+        done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold = child()
+    assert cold["ok"] and "saved" in cold["info"] and set(cold["sources"]) == {"compiled"}, cold
+    warm = child()
+    assert warm["ok"] and "loaded" in warm["info"], warm
+    assert warm["sources"] == ["cache"] * len(cold["sources"]), warm
