@@ -9,7 +9,14 @@ load from a worker), the CUDA graph captures. It also checks the tokens against 
 eager ``generate()``. The parent runs the children one after another, alternating W, and writes
 ``cold_generate.json`` under ``--out``.
 
+With ``--warm``: per repeat, four children in two cache folders (shapewise's and Inductor's kept
+between the two children of a folder, as a user's second start has them): cold then warm without
+``warm_start`` (the warm start loads the pieces' artifacts, Dynamo still traces), and cold then warm
+with ``warm_start=True`` (the warm start loads the whole program: no Dynamo trace). Writes
+``warm_generate.json``.
+
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SIZES = (16, 32, 64, 128, 256)
 
 
-def child(workers: int) -> dict:
+def child(workers: int, warm_start: bool = False) -> dict:
     t0 = time.perf_counter()
     import torch
 
@@ -44,7 +51,7 @@ def child(workers: int) -> dict:
     setup_s = time.perf_counter() - t0
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
-                               cudagraphs="full", compile_workers=workers, progress=False)
+                               cudagraphs="full", compile_workers=workers, progress=False, warm_start=warm_start)
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     torch.cuda.synchronize()
@@ -55,7 +62,8 @@ def child(workers: int) -> dict:
         sources[r["source"]] = sources.get(r["source"], 0) + 1
     return {"workers": workers, "first_generate_s": round(first_s, 2), "setup_s": round(setup_s, 2),
             "variant_seconds": round(sum(r["seconds"] for r in rows), 2), "sources": sources,
-            "tokens_equal_eager_bf16": bool(torch.equal(got, want)), "traces": fast.traces}
+            "tokens_equal_eager_bf16": bool(torch.equal(got, want)), "traces": fast.traces,
+            "warm_start": warm_start, "warm_info": fast.warm_info}
 
 
 def main() -> None:
@@ -65,10 +73,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=200)
     ap.add_argument("--child", type=int, default=None)
+    ap.add_argument("--warm", action="store_true", help="cold and warm starts, with and without warm_start")
+    ap.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)  # the child's
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(args.child, args.warm_start)))
         return
+    if args.warm:
+        return warm_main(args)
     results = []
     for _ in range(args.repeats):
         for w in [int(x) for x in args.workers.split(",")]:
@@ -76,16 +88,7 @@ def main() -> None:
                 env = {**os.environ, "SHAPEWISE_CACHE_DIR": f"{d}/sw", "TORCHINDUCTOR_CACHE_DIR": f"{d}/inductor",
                        "PYTHONPATH": str(ROOT)}
                 env.pop("SHAPEWISE_CACHE", None)
-                t = time.perf_counter()
-                try:
-                    proc = subprocess.run([sys.executable, __file__, "--out", args.out, "--child", str(w)], env=env,
-                                          capture_output=True, text=True, timeout=args.timeout)
-                    row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
-                        {"workers": w, "error": proc.stderr[-2000:]}
-                except subprocess.TimeoutExpired:
-                    row = {"workers": w, "error": f"timed out after {args.timeout} s"}
-                row["process_s"] = round(time.perf_counter() - t, 2)
-                print(json.dumps(row), flush=True)
+                row = _run_child(args, env, w, False)
                 results.append(row)
     import torch
 
@@ -94,6 +97,42 @@ def main() -> None:
     (out / "cold_generate.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
          "prompt_sizes": SIZES, "rows": results}, indent=1))
+
+
+def _run_child(args: argparse.Namespace, env: dict, workers: int, warm_start: bool) -> dict:
+    t = time.perf_counter()
+    cmd = [sys.executable, __file__, "--out", args.out, "--child", str(workers),
+           *(["--warm-start"] if warm_start else [])]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
+            {"workers": workers, "warm_start": warm_start, "error": proc.stderr[-2000:]}
+    except subprocess.TimeoutExpired:
+        row = {"workers": workers, "warm_start": warm_start, "error": f"timed out after {args.timeout} s"}
+    row["process_s"] = round(time.perf_counter() - t, 2)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def warm_main(args: argparse.Namespace) -> None:
+    rows = []
+    for _ in range(args.repeats):
+        for warm_start in (True, False):
+            with tempfile.TemporaryDirectory() as d:
+                env = {**os.environ, "SHAPEWISE_CACHE_DIR": f"{d}/sw", "TORCHINDUCTOR_CACHE_DIR": f"{d}/inductor",
+                       "PYTHONPATH": str(ROOT)}
+                env.pop("SHAPEWISE_CACHE", None)
+                for start in ("cold", "warm"):
+                    row = _run_child(args, env, 1, warm_start)
+                    row["start"] = start
+                    rows.append(row)
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "warm_generate.json").write_text(json.dumps(
+        {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+         "prompt_sizes": SIZES, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
