@@ -69,7 +69,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     fast = sw.compile(model, sizes=cfg["sizes"], ranges=[tuple(r) for r in cfg["ranges"]],
                       splitting_ops=[ATTENTION_OP], backend="inductor", dedupe=cfg["dedupe"],
                       cache=cfg.get("cache", None), static_options=static_options, progress=False,
-                      compile_workers=cfg.get("workers", 1))
+                      compile_workers=cfg.get("workers", 1), warm_start=cfg.get("warm_start", False))
     out: dict[str, Any] = {"import_s": import_s, "workers": cfg.get("workers", 1)}
     if cfg.get("inductor_warmup"):
         t = time.perf_counter()
@@ -99,6 +99,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     out.update({k: total.get(k, 0) for k in ("variants", "compiled", "worker", "reused", "cache", "fallback")})
     out["variant_seconds"] = total["seconds"]
     out["pieces"] = len(fast.program.compute_pieces)
+    out["warm_info"] = fast.warm_info
     return out
 
 
@@ -206,6 +207,20 @@ def table(results: dict[str, Any]) -> str:
             c, cw = r["cold"], r["cold_workers"]
             lines.append(f"| {r['layers']} | {c['first_call_s']:.1f} | {cw['first_call_s']:.1f} | "
                          f"{cw['first_call_s'] / c['first_call_s']:.2f} | {cw['compiled']} / {cw.get('worker', 0)} |")
+    if any("warm_ws" in r for r in results["runs"]):
+        lines += ["", "Warm starts with the Inductor cache the cold start filled (a user's second start; issue 29): "
+                      "pieces only (`warm_start=False`: Dynamo traces, the pieces' artifacts load) against the whole "
+                      "program (`warm_start=True`: the saved traces load, no Dynamo trace, no split or keys):", "",
+                  "| layers | cold s | warm, pieces s | of cold | cold, warm_start s | warm, whole program s "
+                  "| of cold |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in results["runs"]:
+            c, wk, cw, ww = r["cold"], r["warm_kept"], r["cold_ws"], r["warm_ws"]
+            lines.append(f"| {r['layers']} | {c['first_call_s']:.1f} | {wk['first_call_s']:.2f} | "
+                         f"{wk['first_call_s'] / c['first_call_s']:.0%} | {cw['first_call_s']:.1f} | "
+                         f"{ww['first_call_s']:.2f} | {ww['first_call_s'] / cw['first_call_s']:.0%} |")
+        infos = {r["warm_ws"].get("warm_info", "")[:40] for r in results["runs"]}
+        lines += ["", f"warm_start's warm runs said: {sorted(infos)}"]
     t = results["targets"]
     lines += ["", "Targets (issue 3): warm start <= 10% of cold: "
               f"{'met' if t['warm_le_10pct'] else 'NOT met'} (worst warm/cold {t['worst_warm_ratio']:.0%}; "
@@ -239,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs of everything, interleaved; medians reported")
     parser.add_argument("--workers", type=int, default=1,
                         help="also a cold start with this many compile worker processes (compile_workers; 1: none)")
+    parser.add_argument("--warm-start", action="store_true",
+                        help="also cold with warm_start=True, then its warm start (the whole program loaded, no "
+                             "Dynamo trace), beside the pieces-only warm start, both with their Inductor cache kept")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -261,7 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"hardware": hardware(args.device),
                                "config": {**base_cfg, "layers": layers, "repeats": args.repeats}, "runs": []}
     runs_of = {"cold": {}, **({"cold_workers": {"workers": args.workers}} if args.workers > 1 else {}),
-               "warm": {}, "warm_plus": {"inductor_warmup": True}}
+               "warm": {}, "warm_plus": {"inductor_warmup": True},
+               **({"warm_kept": {}, "cold_ws": {"warm_start": True}, "warm_ws": {"warm_start": True}}
+                  if args.warm_start else {})}
+    # Runs that share another's caches: a warm start with the Inductor cache its cold start filled
+    # (as a user's second start has it), and warm_start's own folders.
+    inductor_of = {"warm_kept": "cold", "warm_ws": "cold_ws"}
     samples: dict[int, dict[str, list[dict[str, Any]]]] = {n: {k: [] for k in runs_of} for n in layers}
     baseline_layers = None if args.no_baseline or len(layers) < 2 else (
         layers[len(layers) // 2] if len(layers) > 2 else layers[-1])
@@ -283,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = {**base_cfg, "layers": n}
                 sw_cache = tmp_path / f"sw-{n}-{rep}"
                 for name, extra in runs_of.items():  # (cold_workers: a shapewise cache of its own, empty)
-                    cache = tmp_path / f"sw-{n}-workers-{rep}" if name == "cold_workers" else sw_cache
-                    r = run_child({**cfg, **extra, "run": name}, cache, tmp_path / f"inductor-{n}-{name}-{rep}")
+                    cache = tmp_path / f"sw-{n}-workers-{rep}" if name == "cold_workers" else \
+                        tmp_path / f"sw-{n}-ws-{rep}" if name in ("cold_ws", "warm_ws") else sw_cache
+                    r = run_child({**cfg, **extra, "run": name}, cache,
+                                  tmp_path / f"inductor-{n}-{inductor_of.get(name, name)}-{rep}")
                     samples[n][name].append(r)
                     print(f"[{rep + 1}/{args.repeats}] L={n:3d} {name:9s} first call {r['first_call_s']:7.1f} s  "
                           f"compiled {r['compiled']:3d}  workers {r.get('worker', 0):3d}  reused {r['reused']:3d}  "
