@@ -13,6 +13,7 @@ limit, so one model cannot stop the sweep). ``--out DIR`` writes ``sweep.jsonl``
     python benchmarks/sweep_architectures.py llama mistral qwen3_next                     # some
     python benchmarks/sweep_architectures.py --parts generate --fuse-projections           # FuseProjections on
     python benchmarks/sweep_architectures.py --parts generate --grouped-decode             # GroupedDecodeAttention on
+    python benchmarks/sweep_architectures.py --parts generate --static-cache --warm-start  # saved traces reloaded
 """
 
 from __future__ import annotations
@@ -165,16 +166,23 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
                 extra.update(graph_passes=[sw.library.GroupedDecodeAttention()], splitting_ops=())
             if os.environ.get("SWEEP_STATIC_CACHE") == "1":
                 extra["static_cache"] = True
+            warm_dir = os.environ.get("SWEEP_WARM_START")
+            if warm_dir:  # a cold start that saves its traces, then a second start that should load them
+                extra.update(warm_start=True, cache=os.path.join(warm_dir, model_type))
             fast = sw.compile_generate(model, prompt_sizes=[PROMPT], max_length=MAX_LENGTH, backend="aot_eager",
                                        **extra)
-            bad = []
-            for p, e in zip(prompts, expected):
-                got = model.generate(p, **run)
-                if not torch.equal(got.sequences, e.sequences) or not all(
-                        _close(a, b) for a, b in zip(got.logits, e.logits)):
-                    bad.append(p.shape[1])
-            row["generate"] = "wrong" if bad else "ok"
+            bad = _wrong_prompts(model, prompts, expected, run)
             row["traces"] = fast.traces
+            if warm_dir:
+                row["warm_cold_info"] = fast.warm_info
+                torch._dynamo.reset()
+                model = build(model_type)  # the same weights (seeded), a fresh object: as a new process has it
+                again = sw.compile_generate(model, prompt_sizes=[PROMPT], max_length=MAX_LENGTH,
+                                            backend="aot_eager", **extra)
+                bad += _wrong_prompts(model, prompts, expected, run)
+                row["warm_info"] = again.warm_info
+                row["warm_loaded"] = again.warm_info.startswith("warm start:") and "loaded from" in again.warm_info
+            row["generate"] = "wrong" if bad else "ok"
             if os.environ.get("SWEEP_GROUPED_DECODE") == "1":  # attentions the pass rewrote, over every variant
                 row["grouped_decode_rewrites"] = sum(
                     n.meta.get("shapewise_rewrite") == "grouped_decode_attention" for r in fast.runnables
@@ -185,6 +193,18 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
         except Exception as e:  # noqa: BLE001
             row["error"] = row["error"] or _err(e)
     return row
+
+
+def _wrong_prompts(model: Any, prompts: list[Any], expected: list[Any], run: dict[str, Any]) -> list[int]:
+    """The prompt lengths whose ``generate()`` tokens or per-step logits differ from eager's."""
+    import torch
+
+    bad = []
+    for p, e in zip(prompts, expected):
+        got = model.generate(p, **run)
+        if not torch.equal(got.sequences, e.sequences) or not all(_close(a, b) for a, b in zip(got.logits, e.logits)):
+            bad.append(p.shape[1])
+    return bad
 
 
 def _err(e: BaseException) -> str:
@@ -287,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grouped-decode", action="store_true",
                     help="compile_generate(graph_passes=[GroupedDecodeAttention()], splitting_ops=())")
     ap.add_argument("--static-cache", action="store_true", help="compile_generate(static_cache=True)")
+    ap.add_argument("--warm-start", action="store_true",
+                    help="compile_generate(warm_start=True): a cold start, then a second start that loads its traces")
     ap.add_argument("--update", action="store_true",
                     help="with --out: replace only the rows of the architectures run, keep the others")
     args = ap.parse_args(argv)
@@ -298,6 +320,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["SWEEP_GROUPED_DECODE"] = "1"
     if args.static_cache:
         os.environ["SWEEP_STATIC_CACHE"] = "1"
+    if args.warm_start:
+        import tempfile
+
+        os.environ["SWEEP_WARM_START"] = tempfile.mkdtemp(prefix="sweep_warm_")
     import transformers
 
     print(f"# {len(archs)} architectures, transformers {transformers.__version__}", flush=True)
@@ -312,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(f"{row['arch']:<28} forward={row['forward']:<11} generate={row['generate']:<11} "
                   f"traces={row.get('traces')!s:<4} {row['seconds']:>6.1f}s  {row.get('error') or ''}"
-                  + (f" rewrites={row['grouped_decode_rewrites']}" if "grouped_decode_rewrites" in row else ""),
+                  + (f" rewrites={row['grouped_decode_rewrites']}" if "grouped_decode_rewrites" in row else "")
+                  + (f" warm_loaded={row['warm_loaded']} ({row['warm_info'][:160]})" if "warm_info" in row else ""),
                   flush=True)
     print(summary(rows).split("\n\n")[0])
     if args.out and args.update and (args.out / "sweep.jsonl").exists():

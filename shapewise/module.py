@@ -96,6 +96,7 @@ class ShapewiseModule:
         # warm_start (shapewise.warm): traces saved whole and loaded on the next start; then no
         # direct calls (shapewise.direct: calls past Dynamo's frame once a call has armed them).
         self._warm = WarmTraces(model, self._options, dynamic_dims) if warm_start else None
+        self._warm_off: str | None = None  # why warm starts went off after a trace torch could not save
         self._directs = DirectCalls(bool(direct_call) and self._warm is None)
         # Hooks for who knows the calls (compile_generate): run after every call with (args, kwargs, output)
         # (hand prefill's cache to decode); called with (args, kwargs) for a DispatchMiss's note on why.
@@ -401,8 +402,17 @@ class ShapewiseModule:
         try:
             with _compat.no_zero_one_specialisation(), _compat.own_recompile_budget(), \
                     _compat.dynamic_int_sources(self._int_sources), _compat.quiet_guard_errors():
-                out = self._compiled(*args, **kwargs) if self._warm is None else \
-                    self._warm.trace(args, kwargs, self._backend)
+                if self._warm is not None:
+                    try:
+                        out = self._warm.trace(args, kwargs, self._backend)
+                    except _compat.TraceNotSaved as e:  # warm starts off for this model; the call goes on
+                        del self.runnables[count:], self.trace_fixed[count:]
+                        self._directs.truncate(count)
+                        self._warm_off = f"warm start off: torch cannot save this model's trace ({e})"
+                        log.warning("shapewise: %s; traced as without warm_start", self._warm_off)
+                        self._warm = None
+                if self._warm is None:
+                    out = self._compiled(*args, **kwargs)
         finally:
             self._local.tracing, self._local.fixed = False, None
         if len(self.runnables) == count:
@@ -423,7 +433,9 @@ class ShapewiseModule:
     @property
     def warm_info(self) -> str:
         """With ``warm_start=True``: whether this start loaded its traces, or why not, and where they were saved."""
-        return self._warm.info if self._warm is not None else "warm start off (warm_start=False)"
+        if self._warm is not None:
+            return self._warm.info
+        return self._warm_off or "warm start off (warm_start=False)"
 
     # -- inspection ----------------------------------------------------------------------
     @property

@@ -115,7 +115,13 @@ def _run_child(args: argparse.Namespace, env: dict, workers: int, warm_start: bo
 
 
 def warm_main(args: argparse.Namespace) -> None:
-    rows = []
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head = {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "prompt_sizes": SIZES}
+    rows: list[dict] = []
     for _ in range(args.repeats):
         for warm_start in (True, False):
             with tempfile.TemporaryDirectory() as d:
@@ -126,13 +132,8 @@ def warm_main(args: argparse.Namespace) -> None:
                     row = _run_child(args, env, 1, warm_start)
                     row["start"] = start
                     rows.append(row)
-    import torch
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "warm_generate.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-         "prompt_sizes": SIZES, "rows": rows}, indent=1))
+                    # written after every child: a run its deadline cuts short keeps what it measured
+                    (out / "warm_generate.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

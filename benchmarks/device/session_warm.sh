@@ -13,10 +13,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpus.txt"
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpus.txt"
 N=""
 python3 -c "import xdist" 2>/dev/null && N="-n 4"
-timeout 150 python3 -m pytest -q -rfE $N -p no:cacheprovider tests/test_warm.py >"$OUT/warm_tests.txt" 2>&1
+timeout ${WARM_TESTS_S:-150} python3 -m pytest -q -rfE $N -p no:cacheprovider tests/test_warm.py >"$OUT/warm_tests.txt" 2>&1
 echo "warm tests rc=$?" | tee -a "$OUT/warm_tests.txt"; tail -3 "$OUT/warm_tests.txt"
 T=$(left); echo "left for the starts: $T s"
-[ "$T" -gt 120 ] && timeout "$T" python3 benchmarks/device/cold_generate.py --out "$OUT" --warm --timeout 110 2>&1 \
+[ "$T" -gt 100 ] && timeout "$T" python3 benchmarks/device/cold_generate.py --out "$OUT" --warm --timeout 90 2>&1 \
   | cut -c1-600 | tail -4
 T=$(left); echo "left for the GPU tests: $T s"
 [ "$T" -gt 40 ] && timeout "$T" python3 -m pytest -q -rfE $N -m gpu -p no:cacheprovider tests/models/test_generate.py \

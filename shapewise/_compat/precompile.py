@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "aot_trace", "compiles_as_usual", "graph_dumps",
-           "graph_loads", "guard_stand_in", "load_aot_trace", "recompile_loaded"]
+__all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "TraceNotSaved", "aot_trace", "compiles_as_usual",
+           "graph_dumps", "graph_loads", "guard_stand_in", "load_aot_trace", "recompile_loaded"]
 
 try:  # torch >= 2.10
     from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
@@ -32,6 +32,11 @@ except ImportError:  # pragma: no cover - older torch
 
     class SerializableCallable:  # type: ignore[no-redef]
         """Stand-in base where torch has no ``aot_compile_types``."""
+
+
+class TraceNotSaved(RuntimeError):
+    """torch traced and compiled the call but cannot package the trace (its guards or its code
+    hold something that does not save); the message says what. Trace it the usual way instead."""
 
 
 _DROPPED_META: frozenset[str] = frozenset()
@@ -203,12 +208,16 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
     functorch = torch._functorch.config
     own = {k: getattr(functorch, k) for k in _AOT_PATCHED if hasattr(functorch, k)}
 
+    compiled: list[bool] = []
+
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         try:
             with functorch.patch(own):
-                return backend(gm, example_inputs)
+                out = backend(gm, example_inputs)
         except Exception as e:  # as torch.compile raises it: backend_error_cause finds the backend's own error
             raise BackendCompilerFailed(backend, e, None) from e
+        compiled.append(True)
+        return out
 
     from torch._dynamo.convert_frame import get_traced_fn
 
@@ -218,14 +227,20 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
     cells = set(get_traced_fn(fn)[0].__code__.co_freevars)
 
     def keep(entries: Any) -> list[bool]:
-        # Guards torch cannot save (object identities: ID_MATCH, a module's or function's match; dict
-        # versions; globals) are left out, as torch's own default filter does, and listed.
+        # Guards torch cannot save are left out, as torch's own default filter does, and listed:
+        # object identities (ID_MATCH, a module's or function's match), dict versions, globals, the
+        # type of an object whose class is local to a function (the kernels package's hub-function
+        # modules in transformers >= 5.2x's layers), and values read through a function's closure
+        # (torch cannot find them again on load). What they pinned is fixed by the model's class,
+        # config and source, which the warm key and the load check.
         from torch._dynamo.guards import CheckFunctionManager
 
         bad = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
         out = []
         for g in entries:
             ok = not (g.is_global or g.guard_type in bad or bad.intersection(g.derived_guard_types or ())
+                      or getattr(getattr(g, "orig_guard", None), "_unserializable", False)
+                      or ".__closure__[" in g.name  # a function's closure: fixed by its source, checked on load
                       or re.match(r"\w*", g.name).group() in cells)
             if not ok:
                 dropped.append(f"{g.guard_type} {g.name}")
@@ -238,6 +253,10 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
         # shapewise.compile's torch.compile(dynamic=False) has it.
         t = AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=keep),
                                            backend=compile_graph, dynamic=False))
+    except (TypeError, pickle.PicklingError, getattr(torch._dynamo.exc, "PackageError", TypeError)) as e:
+        if not compiled:  # Dynamo's or the backend's own error, as a plain trace would raise it
+            raise
+        raise TraceNotSaved(f"{type(e).__name__}: {str(e)[:300]}") from e
     finally:
         _SAVING.on = False
     t.dropped_guards = dropped

@@ -66,7 +66,7 @@ def program_bytes(runnable: Any) -> bytes:
     if program.lowering is None or program.dispatch is None:
         raise NotSaved("the program is not lowered and dispatched yet (a Runnable from the whole pipeline is)")
     session = runnable.runtime.session
-    known = dict(session.keys) if session is not None else {}
+    known = dict(session.loaded_keys) if session is not None else {}
     layouts: dict[tuple[str, int], list[Any]] = {}
     keys: dict[tuple[str, int], tuple[str | None, bool]] = {}
     pieces = []
@@ -128,6 +128,6 @@ def load_program(data: bytes) -> Program:
     program, keys = program_from_bytes(data)
     lowering = program.lowering
     session = lowering.session()
-    session.keys.update(keys)
+    session.loaded_keys.update(keys)
     with _compat.compiles_as_usual():
         return lowering.apply(program, session)

@@ -103,8 +103,9 @@ class CompileSession:
         self._build: dict[frozenset, str] = {}
         self.rank, self.world = _compat.rank_and_world()
         self.workers: WorkerPool | None = None  # compile_all's, while it runs (compile_workers > 1)
-        #: (piece name, binding) -> (content key, to disk?): made here, or a loaded program's (dispatch.saved)
-        self.keys: dict[tuple[str, Binding], tuple[str | None, bool]] = {}
+        #: a loaded program's saved keys (dispatch.saved), (piece name, binding) -> (content key, to disk?):
+        #: within one program a piece's bindings are distinct, so they name its variants
+        self.loaded_keys: dict[tuple[str, Binding], tuple[str | None, bool]] = {}
 
     def graph_key(self, piece: Piece):
         """The piece's ``GraphKey`` (memoised per graph), or None if it cannot be keyed."""
@@ -127,7 +128,7 @@ class CompileSession:
 
     def variant_key(self, piece: Piece, variant: Variant) -> tuple[str | None, bool]:
         """(content key of this compile or None, whether it may be stored on disk)."""
-        known = self.keys.get((piece.name, variant.binding))
+        known = self.loaded_keys.get((piece.name, variant.binding))
         if known is not None:
             return known
         gk = self.graph_key(piece)
@@ -151,10 +152,7 @@ class CompileSession:
         disk = self.cache is not None and not any(" at 0x" in part for part in (options, *uuids))
         if self.lower.backend == "inductor":
             parts.append(f"build={self._build_part(piece)}")
-        out = hashlib.sha256("\n".join(parts).encode()).hexdigest(), disk
-        with self._lock:
-            self.keys[piece.name, variant.binding] = out
-        return out
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest(), disk
 
     def options(self, piece: Piece, variant: Variant) -> dict[str, Any]:
         """The backend options of this compile: what the variant's graph passes need
