@@ -184,8 +184,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     ``prompt_sizes`` / ``prompt_ranges``: prompt lengths to compile prefill for (a prompt of
     another length is a ``DispatchMiss``, or whatever ``on_miss`` says). ``max_length``: the
     longest sequence (prompt + new tokens) decode must serve. ``static_cache``: make
-    ``generate()`` use transformers' static cache (``generation_config.cache_implementation``);
-    decode is then one static variant. ``direct_call`` (default True): calls past Dynamo's frame
+    ``generate()`` use transformers' static cache (``generation_config.cache_implementation``),
+    of ``max_length`` positions for every call (``generation_config.max_cache_len``, unless set:
+    a decode step attends over all of them, masked, so ask for the length you need); decode is
+    then one static variant. ``direct_call`` (default True): calls past Dynamo's frame
     where a trace allows them. ``splitting_ops``: by default the graph is split at SDPA (each
     piece compiles and, with piecewise CUDA graphs, is captured on its own), except under
     ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from
@@ -261,6 +263,11 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         ranges = [*prompt_r, *([{"seq": grow, **({"ctx": grow} if ctx else {})}] if grow[0] <= grow[1] else [])]
     if static_cache:
         model.generation_config.cache_implementation = "static"
+        # transformers sizes a static cache by each call's prompt + new tokens: the first call's
+        # length would be fixed in the traces (prompts past it skipped at compile, a longer call
+        # traced again). One cache of max_length serves every call up to it from the same traces.
+        if getattr(model.generation_config, "max_cache_len", None) is None:
+            model.generation_config.max_cache_len = max_length
     # With a static cache on a GPU, generate() would wrap the forward in torch.compile itself.
     model.generation_config.disable_compile = True
     options.setdefault("direct_call", True)

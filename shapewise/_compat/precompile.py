@@ -253,8 +253,14 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
         # shapewise.compile's torch.compile(dynamic=False) has it.
         t = AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=keep),
                                            backend=compile_graph, dynamic=False))
-    except (TypeError, pickle.PicklingError, getattr(torch._dynamo.exc, "PackageError", TypeError)) as e:
-        if not compiled:  # Dynamo's or the backend's own error, as a plain trace would raise it
+    except Exception as e:
+        from shapewise._compat.dynamo import is_trace_error
+
+        # Before the backend returned: Dynamo's or the backend's own error, as a plain trace raises
+        # it. After: a trace error (a dim marked dynamic was specialised) is Dynamo's too; anything
+        # else is torch packaging what it traced (a guard that does not save; torch 2.11's check of
+        # the bytecode's globals, "Missing required external references: ['type']").
+        if not compiled or is_trace_error(e):
             raise
         raise TraceNotSaved(f"{type(e).__name__}: {str(e)[:300]}") from e
     finally:

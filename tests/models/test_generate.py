@@ -129,6 +129,26 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch
         assert_same(step_got, step_want, "hidden states per step")
 
 
+def test_a_static_cache_is_max_length_long_so_every_call_up_to_it_shares_the_traces():
+    # transformers sizes a static cache by each call's prompt + new tokens: without compile_generate
+    # setting max_cache_len, the first call's short cache was fixed in the traces (the longer prompt
+    # size skipped at compile) and a longer call traced twice more.
+    model = _llama()
+    calls = [(_prompts(4)[0], 4), (_prompts(24)[0], 30), (_prompts(4)[0], 12)]
+    run = {"do_sample": False, "return_dict_in_generate": True, "output_logits": True}
+    expected = [model.generate(p, max_new_tokens=n, min_new_tokens=n, **run) for p, n in calls]
+    fast = sw.compile_generate(model, prompt_sizes=[4, 24], max_length=64, static_cache=True, backend="aot_eager")
+    assert model.generation_config.max_cache_len == 64
+    for i, ((p, n), e) in enumerate(zip(calls, expected)):
+        got = model.generate(p, max_new_tokens=n, min_new_tokens=n, **run)
+        assert torch.equal(got.sequences, e.sequences)
+        assert_same(got.logits, e.logits, "logits per step")
+        if i == 0:  # both prompt sizes compiled by the first call's trace
+            assert {r["key"].split(",")[0].strip("{}") for r in fast.report() if r["trace"] == "1"} == \
+                {"seq=4", "seq=24"}, fast.report()
+    assert fast.traces == 2
+
+
 def _greedy_equal(model, fast_options, prompts, new_tokens=10):
     """compile_generate's tokens and per-step logits against eager generate() for each prompt;
     returns the compiled forward."""
