@@ -196,6 +196,31 @@ class AOTTrace:
         return out
 
 
+@contextlib.contextmanager
+def _builtins_are_external_refs() -> Any:
+    """torch 2.11 checks that every global a trace's bytecode reads is in the globals it builds the
+    function with, and forgets the builtins (``Missing required external references: ['type']``),
+    which the function finds at run time all the same (torch 2.13 puts the builtins a trace uses
+    among its globals). While a trace is made or loaded here, the check counts the builtins."""
+    import builtins
+
+    from torch._dynamo.convert_frame import GraphRuntimeEnv
+
+    check = getattr(GraphRuntimeEnv, "_check_external_refs", None)
+    if check is None:
+        yield
+        return
+
+    def with_builtins(self: Any, f_globals: dict[str, Any]) -> None:
+        check(self, {**vars(builtins), **f_globals})
+
+    GraphRuntimeEnv._check_external_refs = with_builtins
+    try:
+        yield
+    finally:
+        GraphRuntimeEnv._check_external_refs = check
+
+
 def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callable[..., Any]) -> AOTTrace:
     """Dynamo's full-graph trace of ``fn`` at ``(args, kwargs)`` (their dynamic marks apply),
     its graph compiled by ``backend``, which must return a ``SerializableCallable``."""
@@ -249,10 +274,11 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
 
     _SAVING.on = True
     try:
-        # dynamic=False: only the marked dims are dynamic (no automatic dynamic on a second trace), as
-        # shapewise.compile's torch.compile(dynamic=False) has it.
-        t = AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=keep),
-                                           backend=compile_graph, dynamic=False))
+        with _builtins_are_external_refs():
+            # dynamic=False: only the marked dims are dynamic (no automatic dynamic on a second
+            # trace), as shapewise.compile's torch.compile(dynamic=False) has it.
+            t = AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=keep),
+                                               backend=compile_graph, dynamic=False))
     except Exception as e:
         from shapewise._compat.dynamo import is_trace_error
 
@@ -287,4 +313,5 @@ def load_aot_trace(data: bytes, traced: Any = None) -> AOTTrace:
     saved = pickle.loads(data)
     closure = get_traced_fn(traced)[0].__closure__ if traced is not None else None
     f_globals = {ref: importlib.import_module(name) for ref, name in saved["modules"].items()}
-    return AOTTrace(AOTCompiledFunction.deserialize(saved["trace"], f_globals, _closure_data(closure)))
+    with _builtins_are_external_refs():
+        return AOTTrace(AOTCompiledFunction.deserialize(saved["trace"], f_globals, _closure_data(closure)))
