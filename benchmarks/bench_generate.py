@@ -74,7 +74,8 @@ def llama(shape: dict[str, Any], device: str, dtype: torch.dtype, layers: int | 
         cfg.num_hidden_layers = layers
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialised where it runs: a 1B model's fp32 init on the CPU takes ~30 s
+        model = transformers.LlamaForCausalLM(cfg).to(dtype=dtype).eval()
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = None
     return model
 

@@ -221,17 +221,24 @@ def test_compile_generate_warm_start_gives_eagers_tokens_without_tracing(tmp_pat
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(cfg).eval()
         ref = model.generate(ids, max_new_tokens=6, do_sample=False, disable_compile=True)
-        fast = sw.compile_generate(model, prompt_sizes=[6], max_length=16, static_cache=True, backend="aot_eager",
+        fast = sw.compile_generate(model, prompt_sizes=[4, 6], max_length=16, static_cache=True, backend="aot_eager",
                                    cache=str(tmp_path), warm_start=True, progress=False)
         out = model.generate(ids, max_new_tokens=6, do_sample=False)
         assert out.tolist() == ref.tolist()
         return fast
 
+    def keys(fast):
+        return sorted({(r["trace"], r["key"]) for r in fast.report()})
+
     first = start()
     assert first.traces == 2 and "2 trace(s) saved" in first.warm_info, first.warm_info
+    # The prefill trace knows its dim as seq (torch's aot_compile hands the backend a graph whose
+    # placeholders Dynamo has cleaned of their sources) and compiles every prompt size up front.
+    assert keys(first) == [("1", "{seq=4}"), ("1", "{seq=6}"), ("2 (seq=1)", "{seq=1}")], keys(first)
     no_tracing(monkeypatch)
     second = start()
     assert second.traces == 2 and "2 trace(s) loaded" in second.warm_info, second.warm_info
+    assert keys(second) == keys(first)
 
 
 CHILD = """

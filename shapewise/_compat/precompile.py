@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from shapewise._compat.dynamo import SOURCE_META, placeholder_sources_kept
+
 __all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "TraceNotSaved", "aot_trace", "compiles_as_usual",
            "graph_dumps", "graph_loads", "guard_stand_in", "load_aot_trace", "recompile_loaded"]
 
@@ -39,7 +41,7 @@ class TraceNotSaved(RuntimeError):
     hold something that does not save); the message says what. Trace it the usual way instead."""
 
 
-_DROPPED_META: frozenset[str] = frozenset()
+_DROPPED_META: frozenset[str] = frozenset({SOURCE_META})  # a Dynamo Source: the trace's, not the graph's
 _SAVING = threading.local()
 
 
@@ -274,7 +276,7 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
 
     _SAVING.on = True
     try:
-        with _builtins_are_external_refs():
+        with _builtins_are_external_refs(), placeholder_sources_kept():
             # dynamic=False: only the marked dims are dynamic (no automatic dynamic on a second
             # trace), as shapewise.compile's torch.compile(dynamic=False) has it.
             t = AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=keep),
