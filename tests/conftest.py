@@ -6,6 +6,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import zlib
 
 import pytest
 import torch
@@ -32,9 +33,28 @@ def _fresh_dynamo():
 
 
 def pytest_collection_modifyitems(config, items):
+    _keep_shard(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the device machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _keep_shard(config, items) -> None:
+    """``SHAPEWISE_TEST_SHARD=i/n`` (0 <= i < n) keeps the tests whose id hashes to i of n: a suite
+    too long for one device call runs as n calls (benchmarks/device/session_suite.sh)."""
+    shard = os.environ.get("SHAPEWISE_TEST_SHARD")
+    if not shard:
+        return
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+        if not 0 <= i < n:
+            raise ValueError
+    except ValueError:
+        raise pytest.UsageError(f"SHAPEWISE_TEST_SHARD={shard!r}: expected 'i/n' with 0 <= i < n, e.g. 0/2") from None
+    keep = [it for it in items if zlib.crc32(it.nodeid.encode()) % n == i]
+    config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+    items[:] = keep
+
