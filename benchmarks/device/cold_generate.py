@@ -13,10 +13,11 @@ With ``--warm``: per repeat, four children in two cache folders (shapewise's and
 between the two children of a folder, as a user's second start has them): cold then warm without
 ``warm_start`` (the warm start loads the pieces' artifacts, Dynamo still traces), and cold then warm
 with ``warm_start=True`` (the warm start loads the whole program: no Dynamo trace). Writes
-``warm_generate.json``.
+``warm_generate.json``; ``--profile`` adds a cProfile of each warm start's first ``generate()``
+(``warm_profile_whole.txt``, ``warm_profile_pieces.txt``).
 
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
-    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SIZES = (16, 32, 64, 128, 256)
 
 
-def child(workers: int, warm_start: bool = False) -> dict:
+def child(workers: int, warm_start: bool = False, profile: str | None = None) -> dict:
     t0 = time.perf_counter()
     import torch
 
@@ -49,6 +50,12 @@ def child(workers: int, warm_start: bool = False) -> dict:
         want = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                               cache_implementation="static")
     setup_s = time.perf_counter() - t0
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
                                cudagraphs="full", compile_workers=workers, progress=False, warm_start=warm_start)
@@ -56,6 +63,16 @@ def child(workers: int, warm_start: bool = False) -> dict:
         got = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
+        Path(profile).write_text(text.getvalue())
     rows = list(fast.report())
     sources: dict[str, int] = {}
     for r in rows:
@@ -75,9 +92,12 @@ def main() -> None:
     ap.add_argument("--child", type=int, default=None)
     ap.add_argument("--warm", action="store_true", help="cold and warm starts, with and without warm_start")
     ap.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)  # the child's
+    ap.add_argument("--profile", action="store_true",
+                    help="with --warm: a cProfile of each warm start's first generate() under --out")
+    ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.warm_start)))
+        print(json.dumps(child(args.child, args.warm_start, args.profile_to)))
         return
     if args.warm:
         return warm_main(args)
@@ -99,10 +119,11 @@ def main() -> None:
          "prompt_sizes": SIZES, "rows": results}, indent=1))
 
 
-def _run_child(args: argparse.Namespace, env: dict, workers: int, warm_start: bool) -> dict:
+def _run_child(args: argparse.Namespace, env: dict, workers: int, warm_start: bool,
+               profile_to: str | None = None) -> dict:
     t = time.perf_counter()
     cmd = [sys.executable, __file__, "--out", args.out, "--child", str(workers),
-           *(["--warm-start"] if warm_start else [])]
+           *(["--warm-start"] if warm_start else []), *(["--profile-to", profile_to] if profile_to else [])]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
@@ -129,7 +150,9 @@ def warm_main(args: argparse.Namespace) -> None:
                        "PYTHONPATH": str(ROOT)}
                 env.pop("SHAPEWISE_CACHE", None)
                 for start in ("cold", "warm"):
-                    row = _run_child(args, env, 1, warm_start)
+                    profile_to = str(out / f"warm_profile_{'whole' if warm_start else 'pieces'}.txt") \
+                        if start == "warm" and args.profile else None
+                    row = _run_child(args, env, 1, warm_start, profile_to)
                     row["start"] = start
                     rows.append(row)
                     # written after every child: a run its deadline cuts short keeps what it measured
