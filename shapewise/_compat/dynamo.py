@@ -16,9 +16,8 @@ __all__ = [
     "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "copy_graph_module",
     "dynamic_int_sources", "dynamo_unique_graphs", "has_static_address", "is_graph_break",
     "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "held_at", "member_name",
-    "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "placeholder_sources_kept",
-    "quiet_guard_errors", "SOURCE_META",
-    "rank_and_world",
+    "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "quiet_guard_errors",
+    "rank_and_world", "SOURCE_META",
     "scalars_passed_as_tensors", "size_source", "source_name", "specialise_scalar_inputs", "storage_key",
     "STORED_TENSOR", "StoredSize", "NOT_SET", "tensor_checks", "trace_side_effects", "unmark_dynamic",
 ]
@@ -92,7 +91,7 @@ def held_at(source) -> str | None:
 
 
 #: Where a placeholder keeps its Dynamo ``Source`` once Dynamo has dropped its ``grapharg`` (torch's
-#: ``aot_compile_fullgraph`` calls the backend after that; ``precompile.aot_trace`` keeps it here).
+#: ``aot_compile_fullgraph`` calls the backend after that; ``precompile.placeholder_sources_kept``).
 SOURCE_META = "shapewise_source"
 
 
@@ -100,29 +99,6 @@ def placeholder_source(node: torch.fx.Node):
     """The Dynamo ``Source`` a placeholder was lifted from (None outside Dynamo graphs)."""
     grapharg = node.meta.get("grapharg")
     return getattr(grapharg, "source", None) if grapharg is not None else node.meta.get(SOURCE_META)
-
-
-@contextlib.contextmanager
-def placeholder_sources_kept() -> Any:
-    """While it is on, Dynamo's clean-up of a finished trace (which drops each placeholder's
-    ``grapharg``) leaves the placeholder's ``Source`` under ``SOURCE_META``, for a backend that
-    torch calls after it (``aot_compile_fullgraph``): shapewise names its dims by those sources."""
-    from torch._dynamo.output_graph import OutputGraph
-
-    cleanup = OutputGraph.cleanup
-
-    def keeping_sources(self: Any) -> None:
-        for node in self.graph.nodes:
-            arg = node.meta.get("grapharg") if node.op == "placeholder" else None
-            if arg is not None and getattr(arg, "source", None) is not None:
-                node.meta[SOURCE_META] = arg.source
-        cleanup(self)
-
-    OutputGraph.cleanup = keeping_sources
-    try:
-        yield
-    finally:
-        OutputGraph.cleanup = cleanup
 
 
 def is_whole_argument(source) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shapewise._compat.dynamo import SOURCE_META, placeholder_sources_kept
+from shapewise._compat.dynamo import SOURCE_META
 
 __all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "TraceNotSaved", "aot_trace", "compiles_as_usual",
            "graph_dumps", "graph_loads", "guard_stand_in", "load_aot_trace", "recompile_loaded"]
@@ -221,6 +221,29 @@ def _builtins_are_external_refs() -> Any:
         yield
     finally:
         GraphRuntimeEnv._check_external_refs = check
+
+
+@contextlib.contextmanager
+def placeholder_sources_kept() -> Any:
+    """While it is on, Dynamo's clean-up of a finished trace (which drops each placeholder's
+    ``grapharg``) leaves the placeholder's ``Source`` under ``SOURCE_META``, for a backend that
+    torch calls after it (``aot_compile_fullgraph``): shapewise names its dims by those sources."""
+    from torch._dynamo.output_graph import OutputGraph
+
+    cleanup = OutputGraph.cleanup
+
+    def keeping_sources(self: Any) -> None:
+        for node in self.graph.nodes:
+            arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+            if arg is not None and getattr(arg, "source", None) is not None:
+                node.meta[SOURCE_META] = arg.source
+        cleanup(self)
+
+    OutputGraph.cleanup = keeping_sources
+    try:
+        yield
+    finally:
+        OutputGraph.cleanup = cleanup
 
 
 def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callable[..., Any]) -> AOTTrace:
