@@ -30,6 +30,9 @@ Contenders (each on its own copy of the weights):
                (the decode step's attention reads the cache's 8 KV heads, not 32 repeated copies of
                them, in ``shapewise::decode_attention``; before fe44f12, SDPA).
   (``sw_full_combo_gqa``, both, is ``sw_full`` from fe44f12.)
+  sw_full_dtensor ``sw_full`` on DTensor weights: torch.distributed.tensor.parallel's colwise / rowwise
+               plan on a mesh of one device (bench_dtensor's world-1 plan, a process group of one:
+               NCCL on a GPU, gloo on the CPU), as a tensor-parallel rank holds its weights.
 
 The decode step is the call ``generate()`` makes: its arguments are recorded from
 ``prepare_inputs_for_generation`` at the last decode step of a warm-up generation (input_ids
@@ -81,7 +84,7 @@ import shapewise as sw  # noqa: E402
 from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_plain", "sw_full_nofuse", "sw_full_split",
-              "sw_full_and_piecewise", "sw_full_gemv", "sw_full_combo", "sw_full_gqa")
+              "sw_full_and_piecewise", "sw_full_gemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -105,8 +108,10 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
 
         model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
         return None
+    if name == "sw_full_dtensor":
+        on_a_mesh_of_one(model, device)
     graphs = {"sw_full_and_piecewise": {"mode": "full_and_piecewise"}}.get(name, "full")
-    split = {"sw_full": {}, "sw_full_and_piecewise": {},
+    split = {"sw_full": {}, "sw_full_and_piecewise": {}, "sw_full_dtensor": {},
              "sw_full_plain": {"grouped_decode": False, "combo_kernels": False},
              "sw_full_nofuse": {"grouped_decode": False, "combo_kernels": False, "fuse_projections": False},
              "sw_full_split": {"splitting_ops": ("sdpa",)},
@@ -376,6 +381,24 @@ def check(shape: str, names: list[str], args: argparse.Namespace) -> dict[str, d
             traceback.print_exc()
             out[name] = {"check_error": f"{type(e).__name__}: {e}"[:300]}
     return out
+
+
+def on_a_mesh_of_one(model, device: str) -> None:
+    """``model``'s weights as DTensors: torch's tensor-parallel plan on a mesh of one device, in a
+    process group of one (made on first use)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from tests.distributed.tp_worker import parallelize_one
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1)
+    parallelize_one(model, torch.device(device, 0) if device == "cuda" else torch.device(device))
 
 
 def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[str, Any]:
