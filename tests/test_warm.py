@@ -188,6 +188,35 @@ def test_a_trace_torch_cannot_package_turns_warm_starts_off_and_the_call_goes_on
     assert fast.traces == 1 and not list(tmp_path.rglob("*.swa"))
 
 
+def _local_config() -> object:
+    class Config:  # a class defined inside a function: torch cannot save a guard on its objects
+        scale = 2.0
+
+    return Config()
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.cfg = _local_config()
+
+    def forward(self, x):
+        return self.lin(x) * self.cfg.scale
+
+
+def test_torchs_own_package_error_turns_warm_starts_off_and_the_call_goes_on(tmp_path):
+    # Unmocked: torch 2.13 raises its PackageError (a Dynamo exception) for the guard on the
+    # function-local class; it was taken for a trace error and failed the call.
+    model = _Scaled().eval()
+    fast = sw.compile(model, sizes=[2, 3], backend="aot_eager", progress=False, cache=str(tmp_path), warm_start=True)
+    for n in (2, 3):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(fast(x), model(x))
+    assert fast.warm_info.startswith("warm start off: torch cannot save this model's trace (PackageError"), \
+        fast.warm_info
+
+
 def test_a_compiled_model_does_not_pickle_and_says_what_to_do():
     with pytest.raises(TypeError, match="warm_start=True"):
         pickle.dumps(sw.compile(MLP(), sizes=[2], backend="aot_eager"))

@@ -8,6 +8,7 @@ bytecode, saved and loaded; what ``torch.compile(...).aot_compile`` and
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import pickle
 import re
@@ -198,29 +199,70 @@ class AOTTrace:
         return out
 
 
+# torch methods precompile wraps, once per process: each wrapper does its part only in a thread
+# inside the context manager that turns it on (another thread's trace, a user's own
+# torch.compile, is untouched); (owner class, method name) -> the flag on _PATCHES.
+_PATCHES = threading.local()
+_INSTALL = threading.Lock()
+
+
+def _wrap_once(owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> bool:
+    """Replace ``owner.name`` by ``wrap(original)`` unless done already; False where it is absent."""
+    with _INSTALL:
+        current = getattr(owner, name, None)
+        if current is None:
+            return False
+        if not getattr(current, "_shapewise_wrapper", False):
+            wrapper = functools.wraps(current)(wrap(current))
+            wrapper._shapewise_wrapper = True
+            setattr(owner, name, wrapper)
+        return True
+
+
+@contextlib.contextmanager
+def _turned_on(flag: str) -> Any:
+    was = getattr(_PATCHES, flag, False)
+    setattr(_PATCHES, flag, True)
+    try:
+        yield
+    finally:
+        setattr(_PATCHES, flag, was)
+
+
+def _with_builtins(check: Callable[..., Any]) -> Callable[..., Any]:
+    import builtins
+
+    def check_with_builtins(self: Any, f_globals: dict[str, Any]) -> Any:
+        if getattr(_PATCHES, "builtins", False):
+            f_globals = {**vars(builtins), **f_globals}
+        return check(self, f_globals)
+
+    return check_with_builtins
+
+
 @contextlib.contextmanager
 def _builtins_are_external_refs() -> Any:
     """torch 2.11 checks that every global a trace's bytecode reads is in the globals it builds the
     function with, and forgets the builtins (``Missing required external references: ['type']``),
     which the function finds at run time all the same (torch 2.13 puts the builtins a trace uses
     among its globals). While a trace is made or loaded here, the check counts the builtins."""
-    import builtins
-
     from torch._dynamo.convert_frame import GraphRuntimeEnv
 
-    check = getattr(GraphRuntimeEnv, "_check_external_refs", None)
-    if check is None:
+    _wrap_once(GraphRuntimeEnv, "_check_external_refs", _with_builtins)
+    with _turned_on("builtins"):
         yield
-        return
 
-    def with_builtins(self: Any, f_globals: dict[str, Any]) -> None:
-        check(self, {**vars(builtins), **f_globals})
 
-    GraphRuntimeEnv._check_external_refs = with_builtins
-    try:
-        yield
-    finally:
-        GraphRuntimeEnv._check_external_refs = check
+def _keeping_sources(cleanup: Callable[..., Any]) -> Callable[..., Any]:
+    def cleanup_keeping_sources(self: Any) -> Any:
+        if getattr(_PATCHES, "sources", False):
+            for node in self.graph.nodes:
+                arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+                if arg is not None and getattr(arg, "source", None) is not None:
+                    node.meta[SOURCE_META] = arg.source
+        return cleanup(self)
+
+    return cleanup_keeping_sources
 
 
 @contextlib.contextmanager
@@ -230,20 +272,9 @@ def placeholder_sources_kept() -> Any:
     torch calls after it (``aot_compile_fullgraph``): shapewise names its dims by those sources."""
     from torch._dynamo.output_graph import OutputGraph
 
-    cleanup = OutputGraph.cleanup
-
-    def keeping_sources(self: Any) -> None:
-        for node in self.graph.nodes:
-            arg = node.meta.get("grapharg") if node.op == "placeholder" else None
-            if arg is not None and getattr(arg, "source", None) is not None:
-                node.meta[SOURCE_META] = arg.source
-        cleanup(self)
-
-    OutputGraph.cleanup = keeping_sources
-    try:
+    _wrap_once(OutputGraph, "cleanup", _keeping_sources)
+    with _turned_on("sources"):
         yield
-    finally:
-        OutputGraph.cleanup = cleanup
 
 
 def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callable[..., Any]) -> AOTTrace:
@@ -311,13 +342,25 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
         # it. After: a trace error (a dim marked dynamic was specialised) is Dynamo's too; anything
         # else is torch packaging what it traced (a guard that does not save; torch 2.11's check of
         # the bytecode's globals, "Missing required external references: ['type']").
-        if not compiled or is_trace_error(e):
+        if not compiled or (is_trace_error(e) and not _is_package_error(e)):
             raise
         raise TraceNotSaved(f"{type(e).__name__}: {str(e)[:300]}") from e
     finally:
         _SAVING.on = False
     t.dropped_guards = dropped
     return t
+
+
+def _is_package_error(e: BaseException | None) -> bool:
+    """Whether ``e`` (or what caused it) is torch saying it cannot package a trace (``PackageError``:
+    a guard on an object of a class defined inside a function, say), a Dynamo exception all the same."""
+    from torch._dynamo.exc import PackageError
+
+    while e is not None:
+        if isinstance(e, PackageError):
+            return True
+        e = e.__cause__
+    return False
 
 
 def _closure_data(closure: Any) -> dict[str, Any]:
