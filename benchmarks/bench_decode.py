@@ -32,7 +32,9 @@ Contenders (each on its own copy of the weights):
   (``sw_full_combo_gqa``, both, is ``sw_full`` from fe44f12.)
   sw_full_dtensor ``sw_full`` on DTensor weights: torch.distributed.tensor.parallel's colwise / rowwise
                plan on a mesh of one device (bench_dtensor's world-1 plan, a process group of one:
-               NCCL on a GPU, gloo on the CPU), as a tensor-parallel rank holds its weights.
+               NCCL on a GPU, gloo on the CPU), as a tensor-parallel rank holds its weights. Not
+               quite ``sw_full``: FuseProjections leaves DTensor weights unpacked (seven matmuls a
+               layer), and the plan unties the 1B's tied embedding and head (525 MB more read).
 
 The decode step is the call ``generate()`` makes: its arguments are recorded from
 ``prepare_inputs_for_generation`` at the last decode step of a warm-up generation (input_ids
