@@ -97,7 +97,8 @@ class ShapewiseModule:
         # direct calls (shapewise.direct: calls past Dynamo's frame once a call has armed them).
         self._warm = WarmTraces(model, self._options, dynamic_dims) if warm_start else None
         self._warm_off: str | None = None  # why warm starts went off after a trace torch could not save
-        self._directs = DirectCalls(bool(direct_call) and self._warm is None)
+        self._direct_call = bool(direct_call)
+        self._directs = DirectCalls(self._direct_call and self._warm is None)
         # Hooks for who knows the calls (compile_generate): run after every call with (args, kwargs, output)
         # (hand prefill's cache to decode); called with (args, kwargs) for a DispatchMiss's note on why.
         self.after_call: Callable[[tuple, dict, Any], None] | None = None
@@ -405,9 +406,9 @@ class ShapewiseModule:
                 if self._warm is not None:
                     try:
                         out = self._warm.trace(args, kwargs, self._backend)
-                    except _compat.TraceNotSaved as e:  # warm starts off for this model; the call goes on
-                        del self.runnables[count:], self.trace_fixed[count:]
-                        self._directs.truncate(count)
+                    except _compat.TraceNotSaved as e:  # warm starts off: the calls trace as without it
+                        del self.runnables[:], self.trace_fixed[:]  # (Dynamo has none of the earlier traces)
+                        count, self._directs = 0, DirectCalls(self._direct_call)
                         self._warm_off = f"warm start off: torch cannot save this model's trace ({e})"
                         log.warning("shapewise: %s; traced as without warm_start", self._warm_off)
                         self._warm = None

@@ -188,6 +188,32 @@ def test_a_trace_torch_cannot_package_turns_warm_starts_off_and_the_call_goes_on
     assert fast.traces == 1 and not list(tmp_path.rglob("*.swa"))
 
 
+def test_a_later_trace_torch_cannot_package_drops_the_saved_ones_so_nothing_traces_twice(tmp_path, monkeypatch):
+    from shapewise._compat import precompile
+
+    real, made = precompile.aot_compile_fullgraph, []
+
+    def second_unpackable(*a, **k):  # the first trace packages; the second (no_grad) does not
+        out = real(*a, **k)
+        made.append(1)
+        if len(made) == 2:
+            raise RuntimeError("Missing required external references: ['type']")
+        return out
+
+    monkeypatch.setattr(precompile, "aot_compile_fullgraph", second_unpackable)
+    model = toy()
+    fast = compiled(model, tmp_path, direct_call=True)
+    check_sizes(fast, model, (2, 5))
+    with torch.no_grad():
+        check_sizes(fast, model, (2, 5))
+    check_sizes(fast, model, (2, 5))
+    with torch.no_grad():
+        check_sizes(fast, model, (2, 5))
+    # Dynamo holds none of the packaged traces: they are dropped and each grad mode traces once more.
+    assert fast.traces == 2 and fast.warm_info.startswith("warm start off"), (fast.traces, fast.warm_info)
+    assert "warm_start" not in fast.direct_info, fast.direct_info  # direct calls on again, as asked
+
+
 def _local_config() -> object:
     class Config:  # a class defined inside a function: torch cannot save a guard on its objects
         scale = 2.0
