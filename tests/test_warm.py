@@ -6,6 +6,7 @@ checks that every variant comes from the artifact cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -212,6 +213,37 @@ def test_a_later_trace_torch_cannot_package_drops_the_saved_ones_so_nothing_trac
     # Dynamo holds none of the packaged traces: they are dropped and each grad mode traces once more.
     assert fast.traces == 2 and fast.warm_info.startswith("warm start off"), (fast.traces, fast.warm_info)
     assert "warm_start" not in fast.direct_info, fast.direct_info  # direct calls on again, as asked
+
+
+@dataclasses.dataclass
+class _Output:
+    y: torch.Tensor
+
+
+class _ReturnsOutput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Output(self.lin(x))  # the trace's bytecode rebuilds it by the name _Output in this module
+
+
+def test_a_trace_that_rebuilds_an_output_class_loads_with_the_modules_globals(tmp_path, monkeypatch):
+    # openai-gpt's forward returns a CausalLMOutput: its saved trace failed to load ("Missing
+    # required external references: ['CausalLMOutput']") and every start was cold.
+    def start():
+        torch.manual_seed(0)
+        model = _ReturnsOutput().eval()
+        fast = sw.compile(model, sizes=[2, 3], backend="aot_eager", progress=False, cache=str(tmp_path),
+                          warm_start=True)
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(fast(x).y, model(x).y)
+        return fast
+
+    assert "1 trace(s) saved" in start().warm_info
+    no_tracing(monkeypatch)
+    assert "1 trace(s) loaded" in start().warm_info
 
 
 def _local_config() -> object:

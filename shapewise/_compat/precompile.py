@@ -379,7 +379,12 @@ def load_aot_trace(data: bytes, traced: Any = None) -> AOTTrace:
     from torch._dynamo.convert_frame import get_traced_fn
 
     saved = pickle.loads(data)
-    closure = get_traced_fn(traced)[0].__closure__ if traced is not None else None
-    f_globals = {ref: importlib.import_module(name) for ref, name in saved["modules"].items()}
+    fn = get_traced_fn(traced)[0] if traced is not None else None
+    closure = fn.__closure__ if fn is not None else None
+    # The bytecode reads the traced function's globals by name (the output class it rebuilds, e.g.
+    # transformers' CausalLMOutput): the live module's, as a traced call has them; then the modules
+    # Dynamo installed there.
+    f_globals = {**(fn.__globals__ if fn is not None else {}),
+                 **{ref: importlib.import_module(name) for ref, name in saved["modules"].items()}}
     with _builtins_are_external_refs():
         return AOTTrace(AOTCompiledFunction.deserialize(saved["trace"], f_globals, _closure_data(closure)))
