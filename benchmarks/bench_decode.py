@@ -388,18 +388,12 @@ def check(shape: str, names: list[str], args: argparse.Namespace) -> dict[str, d
 def on_a_mesh_of_one(model, device: str) -> None:
     """``model``'s weights as DTensors: torch's tensor-parallel plan on a mesh of one device, in a
     process group of one (made on first use)."""
-    import socket
-
     import torch.distributed as dist
 
     from tests.distributed.tp_worker import parallelize_one
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=0, world_size=1)
+    if not dist.is_initialized():  # one rank: an in-process store, no port to find
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallelize_one(model, torch.device(device, 0) if device == "cuda" else torch.device(device))
 
 

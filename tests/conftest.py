@@ -57,4 +57,3 @@ def _keep_shard(config, items) -> None:
     keep = [it for it in items if zlib.crc32(it.nodeid.encode()) % n == i]
     config.hook.pytest_deselected(items=[it for it in items if it not in keep])
     items[:] = keep
-

@@ -43,7 +43,19 @@ class TraceNotSaved(RuntimeError):
 
 
 _DROPPED_META: frozenset[str] = frozenset({SOURCE_META})  # a Dynamo Source: the trace's, not the graph's
-_SAVING = threading.local()
+# What precompile has turned on in this thread (``_turned_on``): "saving" (``guard_stand_in``), and
+# the torch patches' "builtins" and "sources" (``_wrap_once``).
+_ON = threading.local()
+
+
+@contextlib.contextmanager
+def _turned_on(flag: str) -> Any:
+    was = getattr(_ON, flag, False)
+    setattr(_ON, flag, True)
+    try:
+        yield
+    finally:
+        setattr(_ON, flag, was)
 
 
 class _StandIn:
@@ -60,7 +72,7 @@ class _StandIn:
 def guard_stand_in(obj: Any) -> tuple[Any, tuple[Any, ...]]:
     """``__reduce__`` for live objects a model may hold: a stand-in while ``aot_trace`` saves its
     guards, else a TypeError that says what to do."""
-    if getattr(_SAVING, "on", False):
+    if getattr(_ON, "saving", False):
         return _StandIn, (type(obj).__name__,)
     raise TypeError(f"a {type(obj).__name__} does not pickle: it holds compiled code; save its traces with "
                     "warm_start=True instead")
@@ -200,9 +212,7 @@ class AOTTrace:
 
 
 # torch methods precompile wraps, once per process: each wrapper does its part only in a thread
-# inside the context manager that turns it on (another thread's trace, a user's own
-# torch.compile, is untouched); (owner class, method name) -> the flag on _PATCHES.
-_PATCHES = threading.local()
+# whose flag on _ON is turned on (another thread's trace, a user's own torch.compile, is untouched).
 _INSTALL = threading.Lock()
 
 
@@ -219,21 +229,11 @@ def _wrap_once(owner: type, name: str, wrap: Callable[[Callable[..., Any]], Call
         return True
 
 
-@contextlib.contextmanager
-def _turned_on(flag: str) -> Any:
-    was = getattr(_PATCHES, flag, False)
-    setattr(_PATCHES, flag, True)
-    try:
-        yield
-    finally:
-        setattr(_PATCHES, flag, was)
-
-
 def _with_builtins(check: Callable[..., Any]) -> Callable[..., Any]:
     import builtins
 
     def check_with_builtins(self: Any, f_globals: dict[str, Any]) -> Any:
-        if getattr(_PATCHES, "builtins", False):
+        if getattr(_ON, "builtins", False):
             f_globals = {**vars(builtins), **f_globals}
         return check(self, f_globals)
 
@@ -255,7 +255,7 @@ def _builtins_are_external_refs() -> Any:
 
 def _keeping_sources(cleanup: Callable[..., Any]) -> Callable[..., Any]:
     def cleanup_keeping_sources(self: Any) -> Any:
-        if getattr(_PATCHES, "sources", False):
+        if getattr(_ON, "sources", False):
             for node in self.graph.nodes:
                 arg = node.meta.get("grapharg") if node.op == "placeholder" else None
                 if arg is not None and getattr(arg, "source", None) is not None:
@@ -328,9 +328,8 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
             out.append(ok)
         return out
 
-    _SAVING.on = True
     try:
-        with _builtins_are_external_refs(), placeholder_sources_kept():
+        with _turned_on("saving"), _builtins_are_external_refs(), placeholder_sources_kept():
             # dynamic=False: only the marked dims are dynamic (no automatic dynamic on a second
             # trace), as shapewise.compile's torch.compile(dynamic=False) has it.
             t = AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=keep),
@@ -345,8 +344,6 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
         if not compiled or (is_trace_error(e) and not _is_package_error(e)):
             raise
         raise TraceNotSaved(f"{type(e).__name__}: {str(e)[:300]}") from e
-    finally:
-        _SAVING.on = False
     t.dropped_guards = dropped
     return t
 
