@@ -85,8 +85,12 @@ def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict
     env[f"XT{n}"] = type(value)
     lines.append(f"if type({var}) is not XT{n}: return MISS")
     if isinstance(value, (list, tuple)):  # its length, and which of its items are one object
-        env[f"XP{n}"] = pattern(value)
-        lines.append(f"if len({var}) != {len(value)} or pattern({var}) != XP{n}: return MISS")
+        seq = pattern(value)
+        if seq == tuple(range(len(value))):  # all distinct (a cache's layers): one C pass, not a Python loop
+            lines.append(f"if len({var}) != {len(value)} or len(set(map(id, {var}))) != {len(value)}: return MISS")
+        else:
+            env[f"XP{n}"] = seq
+            lines.append(f"if len({var}) != {len(value)} or pattern({var}) != XP{n}: return MISS")
         return
     if isinstance(value, dict):
         env[f"XK{n}"] = list(value)

@@ -466,7 +466,12 @@ def _one_layer_attribute_gone(s: _Stack) -> None:
     del s.layers[1].tag  # one the model never reads: a miss, not an AttributeError
 
 
-@pytest.mark.parametrize("change", [_one_layer_value, _one_layer_type, _the_class, _one_layer_attribute_gone])
+def _one_layer_twice(s: _Stack) -> None:
+    s.layers[4] = s.layers[0]  # the list's items were distinct (one C pass over their ids checks it)
+
+
+@pytest.mark.parametrize("change", [_one_layer_value, _one_layer_type, _the_class, _one_layer_attribute_gone,
+                                    _one_layer_twice])
 def test_the_layers_constants_are_checked_at_once_and_each_change_is_refused(change):
     # Objects holding the same constants (a cache's layers) are checked by one map over all of
     # them, and their class once (direct_checks.merge_checks): still every change is refused.
