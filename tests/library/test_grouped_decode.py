@@ -241,3 +241,50 @@ def test_the_kernels_offsets_are_bounded_by_each_tensors_span():
     t = torch.zeros(2, 3, 4)
     assert _span(t) == 24 and _span(t[:, :1]) == 16 and _span(t[:1, :, None].expand(1, 3, 5, 4)) == 12
     assert _span(t.transpose(0, 2)) == 24 and _span(torch.zeros(0, 4)) == 0
+
+
+@pytest.mark.gpu
+def test_the_last_program_of_a_head_combines_in_cuda_graphs_and_leaves_its_counters_at_zero():
+    # One launch a call: the program that finishes a head last combines its slices (no second
+    # kernel), right on every call and on every replay of a captured call with new inputs, and it
+    # sets the head's counter back to 0 each time.
+    from shapewise.library.kernels.decode_attention import _COUNTERS, _launch, decode_attention_plan
+
+    torch.manual_seed(0)
+    b, h, n, s, d = 1, 8, 4, 384, 64
+    assert decode_attention_plan(b, h, s, torch.cuda.get_device_properties(0).multi_processor_count)[0] > 1
+    q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((b, h, n, d), (b, h, s, d),
+                                                                                        (b, h, s, d)))
+    mask = torch.rand(1, 1, 1, s, device="cuda") > 0.3
+
+    def check(got):
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125)
+        ref16 = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125).float()
+        assert (got.float() - want).abs().max().item() <= max(2 * (ref16 - want).abs().max().item(), 1e-2)
+
+    op = torch.ops.shapewise.decode_attention
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            check(op(q, k, v, mask, 0.125))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("attend_slices" in x for x in names) == 3 and not any("combine_slices" in x for x in names), names
+    check(_launch(q, k, v, mask, 0.125, torch.cuda.get_device_properties(0).multi_processor_count,
+                  last_combines=False))  # the second kernel's combine, where no counters are free
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(q, k, v, mask, 0.125)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(q, k, v, mask, 0.125)
+    for _ in range(4):
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out)
+    pool, used = _COUNTERS._captured[q.device]
+    assert used >= b * h and not pool[:used].any().item()
+    assert not any(c.any().item() for c in _COUNTERS._streams.values())

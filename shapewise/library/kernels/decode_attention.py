@@ -14,9 +14,17 @@ memset (benchmarks/results/decode_h200/decode_options), where the cache is 0.8 M
 The kernel: one program per (batch, head, slice of S); each streams its slice of the keys and
 values once, in tiles of ``BLOCK_S`` tokens, with an online softmax over its rows (padded to 16
 for the tensor cores). The slices are as many as fill the GPU's multiprocessors (about one
-program each); with more than one, a second small kernel combines their partial sums (each
-slice's max, sum and weighted values, in float32). A boolean mask is True where a token is
-attended; a float mask is added to the scores.
+program each); with more than one, their partial sums (each slice's max, sum and weighted values,
+in float32) are combined by the last program of the head to finish: each program counts itself
+done on the head's counter (an atomic add, after its partial sums are stored), and the one that
+counts last reads them all, writes the output and sets the counter back to 0. One launch a call,
+where a second kernel to combine took as long as the attention (2.6 against 3.1 µs a layer at 1B
+shapes on the H200, benchmarks/results/decode_h200/decode_kernel). The counters (``_Counters``)
+are zeros kept per device: a launch captured into a CUDA graph takes counters of its own, for
+good (a graph's launches never overlap another graph's use of them); other launches share one set
+per stream (launches on one stream run one after another). Where no counters are free (a capture
+before any launch outside one, or the set used up), the second kernel combines, as before. A
+boolean mask is True where a token is attended; a float mask is added to the scores.
 
 The fast path: CUDA, bf16 or fp16 (the same for q, k and v), head dims of at most 256, inner
 dimensions contiguous, every offset within 32 bits (a layer's cache under 2^31 elements), Triton
@@ -29,6 +37,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,87 +78,7 @@ def decode_attention_plan(batch: int, heads: int, tokens: int, sms: int = 132) -
 
 @functools.cache
 def _kernels():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def attend_slices(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
-                      H, S, chunk, scale, rows,
-                      sqb, sqh, sqn, skb, skh, sks, svb, svh, svs, smb, sms_, sob, soh, son,
-                      HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                      DV: tl.constexpr, DV_P2: tl.constexpr):
-        bh = tl.program_id(0)
-        part = tl.program_id(1)
-        b = bh // H
-        h = bh % H
-        rn = tl.arange(0, BLOCK_N)
-        rd = tl.arange(0, D_P2)
-        rdv = tl.arange(0, DV_P2)
-        n_ok = rn < rows
-        q = tl.load(q_ptr + b * sqb + h * sqh + rn[:, None] * sqn + rd[None, :],
-                    mask=n_ok[:, None] & (rd[None, :] < D), other=0.0)
-        k_base = k_ptr + b * skb + h * skh
-        v_base = v_ptr + b * svb + h * svh
-        m_i = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_N,), tl.float32)
-        acc = tl.zeros((BLOCK_N, DV_P2), tl.float32)
-        lo = part * chunk
-        for step in range(0, chunk, BLOCK_S):  # (the last slice's tiles past S load nothing)
-            rs = lo + step + tl.arange(0, BLOCK_S)
-            s_ok = rs < S
-            k = tl.load(k_base + rs[:, None] * sks + rd[None, :], mask=s_ok[:, None] & (rd[None, :] < D), other=0.0)
-            qk = tl.dot(q, tl.trans(k)) * scale
-            if HAS_MASK:
-                if MASK_BOOL:
-                    keep = tl.load(mask_ptr + b * smb + rs * sms_, mask=s_ok, other=0)
-                    qk = tl.where(keep[None, :] != 0, qk, float("-inf"))
-                else:
-                    qk += tl.load(mask_ptr + b * smb + rs * sms_, mask=s_ok, other=0.0).to(tl.float32)[None, :]
-            qk = tl.where(s_ok[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing attended yet
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(qk - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + rs[:, None] * svs + rdv[None, :], mask=s_ok[:, None] & (rdv[None, :] < DV),
-                        other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if SPLIT:
-            row = (bh * tl.num_programs(1) + part) * BLOCK_N + rn
-            tl.store(part_ml_ptr + row * 2, m_i)
-            tl.store(part_ml_ptr + row * 2 + 1, l_i)
-            tl.store(part_acc_ptr + row[:, None] * DV_P2 + rdv[None, :], acc)
-        else:
-            out = acc / l_i[:, None]
-            tl.store(out_ptr + b * sob + h * soh + rn[:, None] * son + rdv[None, :], out.to(out_ptr.dtype.element_ty),
-                     mask=n_ok[:, None] & (rdv[None, :] < DV))
-
-    @triton.jit
-    def combine_slices(part_ml_ptr, part_acc_ptr, out_ptr, H, parts, rows, sob, soh, son,
-                       PARTS_P2: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, DV_P2: tl.constexpr):
-        bh = tl.program_id(0)
-        b = bh // H
-        h = bh % H
-        rp = tl.arange(0, PARTS_P2)
-        rn = tl.arange(0, BLOCK_N)
-        rdv = tl.arange(0, DV_P2)
-        first = bh * parts * BLOCK_N
-        m = tl.load(part_ml_ptr + (first + rp[:, None] * BLOCK_N + rn[None, :]) * 2, mask=(rp < parts)[:, None],
-                    other=float("-inf"))  # [PARTS_P2, BLOCK_N]: each slice's max, per row
-        m_all = tl.max(m, 0)
-        m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
-        total = tl.zeros((BLOCK_N,), tl.float32)
-        acc = tl.zeros((BLOCK_N, DV_P2), tl.float32)
-        for p in range(0, parts):
-            row = first + p * BLOCK_N + rn
-            w = tl.exp(tl.load(part_ml_ptr + row * 2) - m_use)
-            total += w * tl.load(part_ml_ptr + row * 2 + 1)
-            acc += w[:, None] * tl.load(part_acc_ptr + row[:, None] * DV_P2 + rdv[None, :])
-        out = acc / total[:, None]
-        tl.store(out_ptr + b * sob + h * soh + rn[:, None] * son + rdv[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(rn[:, None] < rows) & (rdv[None, :] < DV))
+    from shapewise.library.kernels._decode_attention_jit import attend_slices, combine_slices
 
     return attend_slices, combine_slices
 
@@ -191,10 +121,51 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                                                   else torch.cuda.current_device()))
 
 
+class _Counters:
+    """The heads' counters of the last-program combine (module docstring): int32 zeros, which
+    each launch leaves at zero. A launch captured into a CUDA graph takes its own from a pool set
+    aside per device (made by the device's first launch outside a capture: memory made during a
+    capture is the graph's), never given back; other launches use their stream's."""
+
+    CAPTURED = 1 << 20  # counters set aside per device for captured launches (4 MiB)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._captured: dict[Any, list] = {}  # device -> [pool, next free]
+        self._streams: dict[tuple, torch.Tensor] = {}  # (device, stream) -> its counters
+        self._old: list[torch.Tensor] = []  # outgrown sets (a launch in flight may still use one)
+
+    def take(self, device: torch.device, n: int) -> torch.Tensor | None:
+        """``n`` counters for a launch on ``device``'s current stream, or None (combine with the second kernel)."""
+        cuda = device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            with self._lock:
+                pool = self._captured.get(device)
+                if pool is None or pool[1] + n > pool[0].numel():
+                    return None
+                pool[1] += n
+                return pool[0][pool[1] - n:pool[1]]
+        key = (device, torch.cuda.current_stream(device).cuda_stream if cuda else 0)
+        counters = self._streams.get(key)
+        if counters is None or counters.numel() < n:
+            with self._lock:
+                if device not in self._captured:
+                    self._captured[device] = [torch.zeros(self.CAPTURED, dtype=torch.int32, device=device), 0]
+                if counters is not None:
+                    self._old.append(counters)
+                counters = self._streams[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        return counters
+
+
+_COUNTERS = _Counters()
+
+
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
-            sms: int, parts: int | None = None) -> torch.Tensor:
+            sms: int, parts: int | None = None, last_combines: bool = True) -> torch.Tensor:
     """The kernels on arguments ``_fast_path`` took (on the current device; or on the CPU under
-    ``TRITON_INTERPRET=1``). ``parts``: so many slices of S instead of the plan's (benchmarks)."""
+    ``TRITON_INTERPRET=1``). ``parts``: so many slices of S instead of the plan's (benchmarks).
+    ``last_combines``: the last program of a head combines its slices where counters are free
+    (else, or False, a second kernel does)."""
     b, h, n, d = q.shape
     s, dv = k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -212,14 +183,16 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     split = parts > 1
     ml = torch.empty((b * h * parts * block_n * 2) if split else 1, dtype=torch.float32, device=q.device)
     acc = torch.empty((b * h * parts * block_n * dv_p2) if split else 1, dtype=torch.float32, device=q.device)
+    counts = _COUNTERS.take(q.device, b * h) if split and last_combines else None
     m_args = (mask, mask.stride(0), mask.stride(3)) if mask is not None else (q, 0, 0)
     attend[(b * h, parts)](
-        q, k, v, m_args[0], out, ml, acc, h, s, chunk, scale, n,
+        q, k, v, m_args[0], out, ml, acc, counts if counts is not None else ml, h, s, chunk, scale, n,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), m_args[1], m_args[2], out.stride(0), out.stride(1), out.stride(2),
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool, SPLIT=split,
+        LAST_COMBINES=counts is not None, PARTS_P2=_next_pow2(parts),
         BLOCK_N=block_n, BLOCK_S=BLOCK_S, D=d, D_P2=_next_pow2(d), DV=dv, DV_P2=dv_p2, num_warps=4, num_stages=2)
-    if split:
+    if split and counts is None:
         combine[(b * h,)](ml, acc, out, h, parts, n, out.stride(0), out.stride(1), out.stride(2),
                           PARTS_P2=_next_pow2(parts), BLOCK_N=block_n, DV=dv, DV_P2=dv_p2, num_warps=4)
     return out
