@@ -18,6 +18,7 @@ with ``warm_start=True`` (the warm start loads the whole program: no Dynamo trac
 
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def main() -> None:
     ap.add_argument("--child", type=int, default=None)
     ap.add_argument("--warm", action="store_true", help="cold and warm starts, with and without warm_start")
     ap.add_argument("--warm-start", action="store_true", help=argparse.SUPPRESS)  # the child's
+    ap.add_argument("--kinds", default="whole,pieces",
+                    help="with --warm: whole (warm_start=True), pieces (warm_start=False), or both")
+    ap.add_argument("--parallel", type=int, default=0,
+                    help="with --warm: then one more cold start of the whole program on this many compile workers")
     ap.add_argument("--profile", action="store_true",
                     help="with --warm: a cProfile of each warm start's first generate() under --out")
     ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's
@@ -105,9 +110,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for w in [int(x) for x in args.workers.split(",")]:
             with tempfile.TemporaryDirectory() as d:
-                env = {**os.environ, "SHAPEWISE_CACHE_DIR": f"{d}/sw", "TORCHINDUCTOR_CACHE_DIR": f"{d}/inductor",
-                       "PYTHONPATH": str(ROOT)}
-                env.pop("SHAPEWISE_CACHE", None)
+                env = _cache_env(d)
                 row = _run_child(args, env, w, False)
                 results.append(row)
     import torch
@@ -117,6 +120,14 @@ def main() -> None:
     (out / "cold_generate.json").write_text(json.dumps(
         {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
          "prompt_sizes": SIZES, "rows": results}, indent=1))
+
+
+def _cache_env(folder: str) -> dict:
+    """The child's environment: shapewise's and Inductor's caches in ``folder``."""
+    env = {**os.environ, "SHAPEWISE_CACHE_DIR": f"{folder}/sw", "TORCHINDUCTOR_CACHE_DIR": f"{folder}/inductor",
+           "PYTHONPATH": str(ROOT)}
+    env.pop("SHAPEWISE_CACHE", None)
+    return env
 
 
 def _run_child(args: argparse.Namespace, env: dict, workers: int, warm_start: bool,
@@ -143,12 +154,11 @@ def warm_main(args: argparse.Namespace) -> None:
     head = {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
             "prompt_sizes": SIZES}
     rows: list[dict] = []
+    kinds = {"whole": True, "pieces": False}
     for _ in range(args.repeats):
-        for warm_start in (True, False):
+        for warm_start in [kinds[k] for k in args.kinds.split(",")]:
             with tempfile.TemporaryDirectory() as d:
-                env = {**os.environ, "SHAPEWISE_CACHE_DIR": f"{d}/sw", "TORCHINDUCTOR_CACHE_DIR": f"{d}/inductor",
-                       "PYTHONPATH": str(ROOT)}
-                env.pop("SHAPEWISE_CACHE", None)
+                env = _cache_env(d)
                 for start in ("cold", "warm"):
                     profile_to = str(out / f"warm_profile_{'whole' if warm_start else 'pieces'}.txt") \
                         if start == "warm" and args.profile else None
@@ -157,6 +167,13 @@ def warm_main(args: argparse.Namespace) -> None:
                     rows.append(row)
                     # written after every child: a run its deadline cuts short keeps what it measured
                     (out / "warm_generate.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
+    if args.parallel:
+        with tempfile.TemporaryDirectory() as d:
+            env = _cache_env(d)
+            row = _run_child(args, env, args.parallel, True)
+            row["start"] = "cold"
+            rows.append(row)
+            (out / "warm_generate.json").write_text(json.dumps({**head, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
