@@ -13,9 +13,11 @@ Contenders (each on its own copy of the weights):
   sw_full      ``sw.compile_generate(..., static_cache=True, cudagraphs="full")`` with its defaults
                (the forward one piece: compile_generate splits nothing under full graphs; q/k/v and
                gate/up fused, ``FuseProjections``, since 2026-12-03; from fe44f12 (2026-12-03) also
-               ``GroupedDecodeAttention`` in shapewise's decode kernel and Inductor's combo kernels);
-  sw_full_plain   ``sw_full`` with ``grouped_decode=False, combo_kernels=False`` (the default before
-               fe44f12, 2026-12-03);
+               ``GroupedDecodeAttention`` in shapewise's decode kernel and Inductor's combo kernels;
+               from 2026-12-04 also ``BatchInputUpdates``, the layers' cache counters in one add);
+  sw_full_plain   ``sw_full`` with ``grouped_decode=False, combo_kernels=False, batch_updates=False``
+               (the default before fe44f12, 2026-12-03);
+  sw_full_nobatch ``sw_full`` with ``batch_updates=False`` (the default before 2026-12-04);
   sw_full_nofuse  ``sw_full_plain`` with ``fuse_projections=False`` (seven matmuls a layer);
   sw_full_split   ``sw_full`` with ``splitting_ops=("sdpa",)``: pieces split at SDPA, so Inductor
                does not fuse across the attention (nor can GroupedDecodeAttention see it;
@@ -86,7 +88,8 @@ import shapewise as sw  # noqa: E402
 from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_plain", "sw_full_nofuse", "sw_full_split",
-              "sw_full_and_piecewise", "sw_full_gemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor")
+              "sw_full_and_piecewise", "sw_full_gemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor",
+              "sw_full_nobatch")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -114,8 +117,10 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
         on_a_mesh_of_one(model, device)
     graphs = {"sw_full_and_piecewise": {"mode": "full_and_piecewise"}}.get(name, "full")
     split = {"sw_full": {}, "sw_full_and_piecewise": {}, "sw_full_dtensor": {},
-             "sw_full_plain": {"grouped_decode": False, "combo_kernels": False},
-             "sw_full_nofuse": {"grouped_decode": False, "combo_kernels": False, "fuse_projections": False},
+             "sw_full_plain": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False},
+             "sw_full_nofuse": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False,
+                                "fuse_projections": False},
+             "sw_full_nobatch": {"batch_updates": False},
              "sw_full_split": {"splitting_ops": ("sdpa",)},
              # every linear at decode in the Triton GEMV, the fused groups too
              "sw_full_gemv": {"graph_passes": [sw.library.DecodeGemv()]},

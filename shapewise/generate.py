@@ -177,7 +177,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                      prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
                      static_cache: bool = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
-                     **options: Any) -> ShapewiseModule:
+                     batch_updates: bool | None = None, **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
 
@@ -209,6 +209,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     per size (``cudagraphs="full"``, a model on a GPU), where the attention is in the graph the
     pass sees and launches are what a step is made of: on the H200 at 1B shapes, with both, 197
     kernels a step against 250 and 1106 against 1229 µs (benchmarks/results/decode_h200/decode_kernel).
+    ``batch_updates``: run ``sw.library.BatchInputUpdates`` (a static cache's per-layer token
+    counters, ``counter.add_(1)`` in each layer, added in one launch at the end of the step, not
+    one kernel a layer); by default on where the other two are.
     With CUDA graphs and a static cache, ``model.generate`` is wrapped too: a call that keeps no
     output tensor of a step past the next step (greedy or sampled decoding without returned hidden
     states or attentions; not beams, assisted, DoLa or contrastive decoding, not classifier-free
@@ -280,7 +283,14 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         grouped_decode = on_gpu and full
     if combo_kernels is None:
         combo_kernels = on_gpu and full
+    if batch_updates is None:
+        batch_updates = on_gpu and full
     passes = list(options.get("graph_passes", ()))
+    if batch_updates:
+        from shapewise.library.batch_updates import BatchInputUpdates
+
+        if not any(isinstance(p, BatchInputUpdates) for p in passes):
+            passes.append(BatchInputUpdates())
     if grouped_decode:
         from shapewise.library.grouped_decode import GroupedDecodeAttention  # registers its op
 

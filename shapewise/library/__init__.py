@@ -6,7 +6,8 @@ decode sizes -> the ``shapewise::gemv`` op of ``kernels/gemv.py``) and ``sw.libr
 with ``sw.library.pack_projections`` (``fuse_projections.py``: linear layers reading one activation ->
 one matmul over their packed weights, the ``shapewise::linear_group`` op) and
 ``sw.library.GroupedDecodeAttention`` (``grouped_decode.py``: one query token's grouped-query attention
-over the unrepeated keys and values) are imported on first use, so
+over the unrepeated keys and values) and ``sw.library.BatchInputUpdates`` (``batch_updates.py``: in-place
+additions to a piece's inputs, a KV cache's token counters, in one launch at the end) are imported on first use, so
 ``import shapewise`` registers no custom op. Out: ``GraphPass``es, registered by name, to hand to
 ``sw.compile(graph_passes=[...])``, ``sw.Rewrite`` or a ``Pipeline``.
 
@@ -21,9 +22,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["DecodeGemv", "FuseProjections", "GroupedDecodeAttention", "OverlapAllReduce", "pack_projections"]
+__all__ = ["BatchInputUpdates", "DecodeGemv", "FuseProjections", "GroupedDecodeAttention", "OverlapAllReduce",
+           "pack_projections"]
 
-_WHERE = {"DecodeGemv": "shapewise.library.decode_gemv", "OverlapAllReduce": "shapewise.library.overlap",
+_WHERE = {"BatchInputUpdates": "shapewise.library.batch_updates",
+          "DecodeGemv": "shapewise.library.decode_gemv", "OverlapAllReduce": "shapewise.library.overlap",
           "FuseProjections": "shapewise.library.fuse_projections",
           "GroupedDecodeAttention": "shapewise.library.grouped_decode",
           "pack_projections": "shapewise.library.fuse_projections"}
