@@ -9,37 +9,25 @@ except ImportError:
     triton = None
 
 if triton is not None:
-    COMBINE_AT_ONCE: tl.constexpr = tl.constexpr(8192)  # float32 partial sums combined in one round of loads
-
     @triton.jit
     def combine(part_ml_ptr, part_acc_ptr, out_ptr, bh, b, h, parts, rows, sob, soh, son,
                 PARTS_P2: tl.constexpr, BLOCK_N: tl.constexpr, DV: tl.constexpr, DV_P2: tl.constexpr):
-        """Head ``bh``'s output from its slices' partial sums (read past L1: other programs wrote them).
-        Where every slice's sums fit in registers at once (``COMBINE_AT_ONCE`` values), one round of
-        loads; else one slice after another."""
+        """Head ``bh``'s output from its slices' partial sums (read past L1: other programs wrote them)."""
         rp = tl.arange(0, PARTS_P2)
         rn = tl.arange(0, BLOCK_N)
         rdv = tl.arange(0, DV_P2)
         first = bh * parts * BLOCK_N
-        p_ok = (rp < parts)[:, None]
-        row = first + rp[:, None] * BLOCK_N + rn[None, :]  # [PARTS_P2, BLOCK_N]: each slice's rows
-        m = tl.load(part_ml_ptr + row * 2, mask=p_ok, other=float("-inf"), cache_modifier=".cg")
+        m = tl.load(part_ml_ptr + (first + rp[:, None] * BLOCK_N + rn[None, :]) * 2, mask=(rp < parts)[:, None],
+                    other=float("-inf"), cache_modifier=".cg")  # [PARTS_P2, BLOCK_N]: each slice's max, per row
         m_all = tl.max(m, 0)
         m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
-        if PARTS_P2 * BLOCK_N * DV_P2 <= COMBINE_AT_ONCE:
-            w = tl.exp(m - m_use[None, :])  # 0 for the slices past ``parts`` (their max is -inf)
-            total = tl.sum(w * tl.load(part_ml_ptr + row * 2 + 1, mask=p_ok, other=0.0, cache_modifier=".cg"), 0)
-            acc = tl.load(part_acc_ptr + row[:, :, None] * DV_P2 + rdv[None, None, :], mask=p_ok[:, :, None],
-                          other=0.0, cache_modifier=".cg")
-            acc = tl.sum(w[:, :, None] * acc, 0)
-        else:
-            total = tl.zeros((BLOCK_N,), tl.float32)
-            acc = tl.zeros((BLOCK_N, DV_P2), tl.float32)
-            for p in range(0, parts):
-                one = first + p * BLOCK_N + rn
-                w1 = tl.exp(tl.load(part_ml_ptr + one * 2, cache_modifier=".cg") - m_use)
-                total += w1 * tl.load(part_ml_ptr + one * 2 + 1, cache_modifier=".cg")
-                acc += w1[:, None] * tl.load(part_acc_ptr + one[:, None] * DV_P2 + rdv[None, :], cache_modifier=".cg")
+        total = tl.zeros((BLOCK_N,), tl.float32)
+        acc = tl.zeros((BLOCK_N, DV_P2), tl.float32)
+        for p in range(0, parts):
+            row = first + p * BLOCK_N + rn
+            w = tl.exp(tl.load(part_ml_ptr + row * 2, cache_modifier=".cg") - m_use)
+            total += w * tl.load(part_ml_ptr + row * 2 + 1, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(part_acc_ptr + row[:, None] * DV_P2 + rdv[None, :], cache_modifier=".cg")
         out = acc / total[:, None]
         tl.store(out_ptr + b * sob + h * soh + rn[:, None] * son + rdv[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(rn[:, None] < rows) & (rdv[None, :] < DV))
