@@ -39,7 +39,9 @@ EXPECTED = {
                         "shapewise.linear_group.default(l_x_, [q_weight, k_weight, v_weight], [])",
                         "linear_group.default(h, [gate_weight, up_weight], [gate_bias, up_bias])",
                         "shapewise.decode_attention.default(reshape_2, l_k_, l_v_, l_mask_, None)",
-                        "3 tokens rewritten: False"],
+                        "3 tokens rewritten: False",
+                        "torch.ops.aten._foreach_add_.Scalar([l_layers_0_counter, l_layers_1_counter, "
+                        "l_layers_2_counter], 1)", "counters: [1, 1, 1]"],
 }
 
 
