@@ -205,6 +205,28 @@ def test_the_address_check_finds_the_first_input_not_where_the_capture_found_it(
     assert one.moved((*args[:5], torch.zeros(4, 4))) == 5
 
 
+def test_the_inner_address_check_of_subclass_inputs_finds_the_first_one_that_moved():
+    # Tensor-subclass inputs read in place (DTensor weights) are checked by their inner tensors'
+    # addresses, in one C pass per set of inner names; a nested subclass, one by one.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from shapewise.dispatch.graphed import InnerAddressCheck, address
+
+    pairs = [TwoTensor(torch.zeros(4), torch.ones(4)) for _ in range(3)]
+    nested = TwoTensor(TwoTensor(torch.zeros(2), torch.zeros(2)), TwoTensor(torch.ones(2), torch.ones(2)))
+    args = ("not a tensor", *pairs, nested)
+    both = InnerAddressCheck([(i, ("a", "b"), address(args[i])) for i in (1, 2, 3)])
+    first = InnerAddressCheck([(2, ("a",), (pairs[1].a.data_ptr(),))])
+    deep = InnerAddressCheck([(1, ("a", "b"), address(pairs[0])), (4, ("a", "b"), address(nested))])
+    assert both.moved(args) is None and first.moved(args) is None and deep.moved(args) is None
+    b_moved = TwoTensor(pairs[1].a, torch.ones(4))  # the same "a", a new "b"
+    assert both.moved((*args[:2], b_moved, *args[3:])) == 2 and first.moved((*args[:2], b_moved, *args[3:])) is None
+    assert both.moved((*args[:3], TwoTensor(torch.zeros(4), torch.ones(4)), args[4])) == 3
+    inner_moved = TwoTensor(TwoTensor(torch.zeros(2), torch.zeros(2)), nested.b)
+    assert deep.moved((*args[:4], inner_moved)) == 4 and deep.moved(args) is None
+    assert both.moved((*args[:3], torch.zeros(4), args[4])) == 3  # not a subclass any more: moved, no error
+
+
 def test_fresh_inputs_of_three_dtypes_are_copied_in_by_their_bytes_in_one_foreach_copy(monkeypatch):
     from shapewise.dispatch.copies import CopyIn
 
