@@ -339,8 +339,8 @@ class ShapewiseModule:
         in them can serve this call: a size 0/1 every earlier trace refuses, or a trace Dynamo
         cannot make symbolic at this call (the model's Python branches on a size 0/1, or
         specialises this size outright): then its sizes 0/1, then all its sizes, are fixed, as
-        Dynamo would fix them alone; that trace serves the sizes that agree with them."""
-        with self._lock:
+        Dynamo would fix them alone; that trace serves those sizes. The marks come off after."""
+        with self._lock, _compat.marks_taken_off():
             if self.runnables and not retrace:
                 out = self._compiled(*args, **kwargs) if self._warm is None else self._warm.serve(args, kwargs, MISS)
                 if out is not MISS:

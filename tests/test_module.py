@@ -488,3 +488,27 @@ def test_a_tensor_subclass_weight_compiles_per_size():
     piece = fast.program.compute_pieces[0]
     assert "two_tensor.TwoTensor{" in graph_key(piece.gm, piece.shapes).text
     assert "TwoTensor" in str(piece.shapes)
+
+
+def _marks(t: torch.Tensor) -> dict:
+    return {a: v for a, v in vars(t).items() if "dynamo" in a}
+
+
+def test_a_trace_takes_its_dim_marks_off_the_callers_tensors():
+    # The trace marks the call's dynamic dims on the caller's tensors; they come off after it, so a
+    # tensor handed on (to another compiled model, or to a warm start's loaded trace in the same
+    # process) fails no guard of a trace made without them. A mark the caller made stays as it was.
+    torch.manual_seed(0)
+    model = MLP().eval()
+    x, y = torch.randn(4, 32), torch.randn(8, 32)
+    torch._dynamo.maybe_mark_dynamic(y, 0)
+    theirs = _marks(y)
+    fast = sw.compile(model, sizes=[4, 8], backend="aot_eager", progress=False)
+    with torch.no_grad():
+        assert_same(fast(x), model(x))
+        assert not _marks(x)
+        assert_same(fast(y), model(y))
+        assert _marks(y) == theirs
+        other = sw.compile(MLP().eval(), sizes=[4], backend="aot_eager", progress=False)
+        other(x)
+    assert fast.traces == 1 and other.traces == 1 and not _marks(x)

@@ -1,6 +1,7 @@
 """The torch adapter: every use of torch internals lives in this package, so a torch upgrade
-touches only it. ``shapes`` (fake tensors, ShapeEnvs, symbols, guards), ``dynamo`` (marks,
-sources, trace errors, locks), ``inductor`` (compiles, generated code, artifacts), ``ops``
+touches only it. ``shapes`` (fake tensors, ShapeEnvs, symbols, guards, Dynamo's scalar inputs made
+constants), ``dynamo`` (marks, sources, trace errors, locks), ``inductor`` (compiles, generated code,
+artifacts), ``ops``
 (torch's operator objects), ``cuda`` (the caching allocator's private pools), ``distributed``
 (DTensor's mesh, placements and spec as plain values).
 

@@ -4,6 +4,8 @@ errors apart, and the locks compiles share with it."""
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
@@ -13,12 +15,13 @@ import torch.fx
 from shapewise._compat.shapes import sym_expr
 
 __all__ = [
-    "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "copy_graph_module",
+    "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock",
     "dynamic_int_sources", "dynamo_unique_graphs", "has_static_address", "is_graph_break",
-    "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "held_at", "member_name",
+    "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "marks_taken_off", "held_at",
+    "member_name",
     "is_recompile_limit", "is_whole_argument", "own_recompile_budget", "placeholder_source", "quiet_guard_errors",
     "rank_and_world", "SOURCE_META",
-    "scalars_passed_as_tensors", "size_source", "source_name", "specialise_scalar_inputs", "storage_key",
+    "size_source", "source_name", "storage_key",
     "STORED_TENSOR", "StoredSize", "NOT_SET", "tensor_checks", "trace_side_effects", "unmark_dynamic",
 ]
 
@@ -245,77 +248,6 @@ def size_source(source, prop: str = "size"):
     return None
 
 
-def scalars_passed_as_tensors(gm: torch.fx.GraphModule) -> list[str]:
-    """The Python floats Dynamo passed to ``gm`` as 0-d tensors (``torch.compile(dynamic=True)``
-    leaves floats unspecialised: a module's ``Dropout.p`` becomes an input read with ``.item()``),
-    by their source names."""
-    out = []
-    for node in gm.graph.nodes:
-        arg = node.meta.get("grapharg") if node.op == "placeholder" else None
-        if arg is not None and getattr(arg, "pass_arg_as_tensor", False):
-            name = getattr(arg.source, "name", node.name)  # a method in older torch, a property now
-            out.append(name() if callable(name) else str(name))
-    return out
-
-
-def specialise_scalar_inputs(gm: torch.fx.GraphModule) -> list[tuple[int, str, float]]:
-    """Read the Python floats Dynamo passed as 0-d tensors (``scalars_passed_as_tensors``) as the
-    constants they were at the trace: each ``.item()`` of one becomes its traced value, so the
-    graph compiles to static kernels. Returns (input position, source name, value) per float,
-    for the caller to check at run time (a float that changed is not what was compiled)."""
-    out = []
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, node in enumerate(placeholders):
-        arg = node.meta.get("grapharg")
-        if arg is None or not getattr(arg, "pass_arg_as_tensor", False):
-            continue
-        example = arg.example
-        value = float(example.item()) if isinstance(example, torch.Tensor) else float(example)
-        for user in list(node.users):
-            reads = (user.op == "call_method" and user.target == "item") or (
-                user.op == "call_function" and user.target in (torch.ops.aten._local_scalar_dense.default,
-                                                               torch.ops.aten.item.default))
-            if reads:
-                user.replace_all_uses_with(value)
-                gm.graph.erase_node(user)
-        name = getattr(arg.source, "name", node.name)
-        out.append((i, name() if callable(name) else str(name), value))
-    if out:
-        _fold_scalar_arithmetic(gm)
-        gm.graph.lint()
-        gm.recompile()
-    return out
-
-
-def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` with a graph of its own (nodes and their meta copied; the module's
-    parameters and submodules shared), to keep as it is while ``gm`` is rewritten."""
-    graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return torch.fx.GraphModule(gm, graph)
-
-
-def _fold_scalar_arithmetic(gm: torch.fx.GraphModule) -> None:
-    """Evaluate the Python arithmetic on constants left by ``specialise_scalar_inputs``
-    (``2.0 / math.pi`` once ``math.pi`` is a constant again), in graph order."""
-    import math
-    import operator
-
-    pure = {getattr(operator, n) for n in ("add", "sub", "mul", "truediv", "floordiv", "pow", "neg", "mod")} | {
-        getattr(math, n) for n in ("sqrt", "exp", "log", "pow", "floor", "ceil", "tanh", "sin", "cos")} | {
-        f for f in (getattr(torch, n, None) for n in ("_sym_sqrt", "sym_sqrt", "sym_float", "sym_max", "sym_min"))
-        if f is not None}
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in pure:
-            continue
-        if any(isinstance(a, torch.fx.Node) for a in (*node.args, *node.kwargs.values())):
-            continue
-        value = node.target(*node.args, **node.kwargs)
-        node.replace_all_uses_with(float(value) if isinstance(value, torch.SymFloat) else value)
-        gm.graph.erase_node(node)
-
-
 def local_name_of(source, positional: Sequence[str] = (), var_positional: str | None = None,
                   var_keyword: str | None = None, keywords: Collection[str] = ()) -> str | None:
     """The user argument a Dynamo source reads (``L['x']`` → ``x``), else None. When Dynamo
@@ -351,11 +283,43 @@ def dynamo_unique_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+# The attributes Dynamo's dim marks live in, on the tensor (guarded on: a tensor carrying a mark
+# the trace's did not fails its guards), and the marks' state before ``marks_taken_off`` (per thread).
+_MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_dynamic_range",
+          "_dynamo_hint_overrides", "_has_dynamo_dim_marking")
+_JOURNAL = threading.local()
+
+
 def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
+    journal = getattr(_JOURNAL, "was", None)
+    if journal is not None and id(t) not in journal:
+        journal[id(t)] = (t, {a: copy.copy(v) for a in _MARKS if (v := getattr(t, a, _ABSENT)) is not _ABSENT})
     if strict:
         torch._dynamo.mark_dynamic(t, dim)
     else:
         torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
+_ABSENT = object()
+
+
+@contextlib.contextmanager
+def marks_taken_off() -> Iterator[None]:
+    """The dim marks ``mark_dynamic`` puts on tensors inside the block are taken off at its end
+    (each tensor's marks as they were before): a trace marks the caller's tensors, and a mark left
+    on one would fail the guards of a trace made without it when the tensor comes again (a prompt
+    handed to a second model, or to a warm start's loaded trace in the same process)."""
+    outer, _JOURNAL.was = getattr(_JOURNAL, "was", None), {}
+    try:
+        yield
+    finally:
+        journal, _JOURNAL.was = _JOURNAL.was, outer
+        for t, was in journal.values():
+            for a in _MARKS:
+                if a in was:
+                    setattr(t, a, was[a])
+                elif hasattr(t, a):
+                    delattr(t, a)
 
 
 def has_static_address(t: torch.Tensor) -> bool:

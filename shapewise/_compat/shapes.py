@@ -23,6 +23,7 @@ __all__ = [
     "fresh_tracing_context", "make_symint", "no_zero_one_specialisation",
     "node_value", "range_guard_violations", "shape_env_of", "storage_length", "sym_expr", "symbol_hints",
     "symbolic_env", "trace_guards", "value_range",
+    "copy_graph_module", "scalars_passed_as_tensors", "specialise_scalar_inputs",
 ]
 
 
@@ -361,3 +362,74 @@ def serving_run(mode: FakeTensorMode, failures: Sequence[tuple[sympy.Expr, Mappi
         b += 1
     name = made_for(mode).get(sym)
     return (name, a, b) if name is not None else None
+
+
+def scalars_passed_as_tensors(gm: torch.fx.GraphModule) -> list[str]:
+    """The Python floats Dynamo passed to ``gm`` as 0-d tensors (``torch.compile(dynamic=True)``
+    leaves floats unspecialised: a module's ``Dropout.p`` becomes an input read with ``.item()``),
+    by their source names."""
+    out = []
+    for node in gm.graph.nodes:
+        arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        if arg is not None and getattr(arg, "pass_arg_as_tensor", False):
+            name = getattr(arg.source, "name", node.name)  # a method in older torch, a property now
+            out.append(name() if callable(name) else str(name))
+    return out
+
+
+def specialise_scalar_inputs(gm: torch.fx.GraphModule) -> list[tuple[int, str, float]]:
+    """Read the Python floats Dynamo passed as 0-d tensors (``scalars_passed_as_tensors``) as the
+    constants they were at the trace: each ``.item()`` of one becomes its traced value, so the
+    graph compiles to static kernels. Returns (input position, source name, value) per float,
+    for the caller to check at run time (a float that changed is not what was compiled)."""
+    out = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        arg = node.meta.get("grapharg")
+        if arg is None or not getattr(arg, "pass_arg_as_tensor", False):
+            continue
+        example = arg.example
+        value = float(example.item()) if isinstance(example, torch.Tensor) else float(example)
+        for user in list(node.users):
+            reads = (user.op == "call_method" and user.target == "item") or (
+                user.op == "call_function" and user.target in (torch.ops.aten._local_scalar_dense.default,
+                                                               torch.ops.aten.item.default))
+            if reads:
+                user.replace_all_uses_with(value)
+                gm.graph.erase_node(user)
+        name = getattr(arg.source, "name", node.name)
+        out.append((i, name() if callable(name) else str(name), value))
+    if out:
+        _fold_scalar_arithmetic(gm)
+        gm.graph.lint()
+        gm.recompile()
+    return out
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` with a graph of its own (nodes and their meta copied; the module's
+    parameters and submodules shared), to keep as it is while ``gm`` is rewritten."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _fold_scalar_arithmetic(gm: torch.fx.GraphModule) -> None:
+    """Evaluate the Python arithmetic on constants left by ``specialise_scalar_inputs``
+    (``2.0 / math.pi`` once ``math.pi`` is a constant again), in graph order."""
+    import math
+    import operator
+
+    pure = {getattr(operator, n) for n in ("add", "sub", "mul", "truediv", "floordiv", "pow", "neg", "mod")} | {
+        getattr(math, n) for n in ("sqrt", "exp", "log", "pow", "floor", "ceil", "tanh", "sin", "cos")} | {
+        f for f in (getattr(torch, n, None) for n in ("_sym_sqrt", "sym_sqrt", "sym_float", "sym_max", "sym_min"))
+        if f is not None}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in pure:
+            continue
+        if any(isinstance(a, torch.fx.Node) for a in (*node.args, *node.kwargs.values())):
+            continue
+        value = node.target(*node.args, **node.kwargs)
+        node.replace_all_uses_with(float(value) if isinstance(value, torch.SymFloat) else value)
+        gm.graph.erase_node(node)
