@@ -10,7 +10,8 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult  # what a graph pass returns; torch marks it not BC
 
 __all__ = ["LINEAR_FUNCTIONS", "PassResult", "any_requires_grad", "custom_op_impl", "dispatch_modes",
-           "increment_version", "is_op_overload", "is_op_packet", "op_key", "op_overloads", "op_qualname", "op_schema",
+           "increment_version", "is_op_overload", "is_op_packet", "op_by_name", "op_key", "op_overloads", "op_qualname",
+           "op_schema",
            "profiler_enabled", "torch_function_mode_enabled"]
 
 #: What ``F.linear`` appears as in a Dynamo graph (its C binding), and the Python function itself.
@@ -33,6 +34,14 @@ def op_qualname(target: Any) -> tuple[str, str] | None:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target._qualified_op_name, ""
     return None
+
+
+def op_by_name(qualname: str, overload: str) -> Any:
+    """The op ``op_qualname`` names: the OpOverload (or, for overload "", the OpOverloadPacket). How a
+    pickled graph gets its ops back: torch's op objects do not pickle themselves."""
+    ns, name = qualname.split("::", 1)
+    packet = getattr(getattr(torch.ops, ns), name)
+    return getattr(packet, overload) if overload else packet
 
 
 def op_overloads(packet: Any) -> list[str]:

@@ -106,8 +106,8 @@ def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options:
             return None
     buf = io.BytesIO()
     try:
-        pickle.dump({"key": key, "gm": _graph_payload(gm), "args": specs, "options": options, "info": info,
-                     "grad": torch.is_grad_enabled()}, buf)
+        _TaskPickler(buf).dump({"key": key, "gm": _graph_payload(gm), "args": specs, "options": options, "info": info,
+                                "grad": torch.is_grad_enabled()})
     except Exception as e:  # noqa: BLE001 - such a variant is compiled in the session
         log.debug("shapewise: %s... is compiled here, not in a worker: %s: %s", key[:12], type(e).__name__, e)
         return None
@@ -115,18 +115,28 @@ def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options:
     return data if len(data) <= MAX_TASK_BYTES else None
 
 
+class _TaskPickler(pickle.Pickler):
+    """Pickles torch's op objects by name (``_compat.op_by_name``): a graph pass puts OpOverloads into
+    graphs (``shapewise::linear_group``, ``aten::_foreach_add_``), which do not pickle themselves."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        named = _compat.op_qualname(obj)
+        return (_compat.op_by_name, named) if named is not None else NotImplemented
+
+
 def _graph_payload(gm: torch.fx.GraphModule) -> tuple[torch.fx.Graph, dict[str, Any]]:
     """``gm`` as a worker rebuilds it: its graph without the nodes' traced values (fake tensors,
-    which do not pickle; the worker traces them again from its inputs), and the attributes its
-    ``get_attr`` nodes read. The graph itself, not the GraphModule: unpickling a GraphModule traces
-    its generated code again with FX's symbolic tracer, which a Dynamo graph does not survive
-    (slices by sizes, ``if`` on a tensor)."""
+    which do not pickle; the worker traces them again from its inputs) and with no meta but their
+    source lines (``nn_module_stack`` holds the model's classes, which need not pickle: a class made
+    inside a function), and the attributes its ``get_attr`` nodes read. The graph itself, not the
+    GraphModule: unpickling a GraphModule traces its generated code again with FX's symbolic tracer,
+    which a Dynamo graph does not survive (slices by sizes, ``if`` on a tensor)."""
     import copy
 
     graph = copy.deepcopy(gm.graph)
     attrs: dict[str, Any] = {}
     for node in graph.nodes:
-        node.meta = {k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack")}
+        node.meta = {k: v for k, v in node.meta.items() if k == "stack_trace"}
         if node.op == "call_module":
             raise TypeError(f"a call_module node ({node.target}): the worker would need the module")
         if node.op == "get_attr":

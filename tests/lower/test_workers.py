@@ -108,6 +108,30 @@ def test_a_real_worker_process_compiles_over_its_pipe_and_a_bad_task_fails_alone
     assert_same(fn(x, w)[0] if isinstance(fn(x, w), (tuple, list)) else fn(x, w), torch.relu(x @ w) + 1, "loaded")
 
 
+def test_a_graph_with_ops_and_a_local_module_class_goes_to_a_worker():
+    # A graph pass's ops (torch's OpOverloads, which do not pickle themselves) go by name, and the
+    # nodes' nn_module_stack (the model's classes: here one made inside a function, which does not
+    # pickle) is not sent. Both used to keep every transformers model's compiles in the session.
+    import pickle
+
+    from tests.helpers import dynamo_graph
+
+    class Local(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.add.Tensor(torch.relu(x), 1.0) * 2
+
+    gm = dynamo_graph(Local(), torch.randn(4, 3), dims={})
+    assert any(sw._compat.is_op_overload(n.target) for n in gm.graph.nodes)
+    with sw._compat.FakeTensorMode():
+        args = [torch.empty(4, 3)]
+    data = workers.task_bytes("c1" * 32, gm, args, {}, {"piece": "test"})
+    assert data is not None
+    rebuilt = workers._rebuilt(pickle.loads(data)["gm"])
+    x = torch.randn(4, 3)
+    got = rebuilt(x)
+    assert_same(got[0] if isinstance(got, (tuple, list)) else got, (torch.relu(x) + 1) * 2, "rebuilt")
+
+
 def test_what_a_worker_prints_goes_to_stderr_not_into_its_pipe(tmp_path):
     # torch, Triton or a compiler may print to stdout (fd 1) in a worker; the protocol keeps its own.
     # Here a module the worker imports at setup prints, from Python and at the descriptor.
