@@ -12,8 +12,8 @@ layer's (each waits for its own layer). On the H200 at Llama-3.2-1B shapes that 
 layer, where one launch does them all.
 
 In: a compute piece's graph (any sizes). Out: each ``x.add_(c)`` whose ``x`` is an input of the
-piece that nothing reads after the add (no later node uses ``x``; no other input shares its
-memory), whose result is unused and whose amount ``c`` is a number, is taken out, and before the
+piece that nothing reads after the add (no later node uses ``x`` or a view of it; no other input
+shares its memory), whose result is unused and whose amount ``c`` is a number, is taken out, and before the
 piece's output one ``torch.ops.aten._foreach_add_.Scalar([x, ...], c)`` per amount adds to all of
 them: the same values in every input, read by nothing in between. Nothing is done where fewer than
 two such adds share an amount. ``PassResult.modified`` says whether any was moved.
@@ -48,7 +48,7 @@ class BatchInputUpdates(GraphPass):
     """``x.add_(c)`` on inputs nothing reads afterwards -> one ``_foreach_add_`` per amount, at the end."""
 
     name: ClassVar[str] = "batch_input_updates"
-    version: ClassVar[int] = 1
+    version: ClassVar[int] = 2
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult:
         graph = gm.graph
@@ -58,13 +58,19 @@ class BatchInputUpdates(GraphPass):
         for n in nodes:
             if n.op == "placeholder" and (key := _storage(n)) is not None:
                 shared[key] = shared.get(key, 0) + 1
+        last: dict[Any, int] = {}  # a storage -> the last node that reads or writes it (through any view)
+        for n in nodes:
+            for m in (n, *n.all_input_nodes):
+                if (key := _storage(m)) is not None:
+                    last[key] = order[n]
         groups: dict[tuple, list[torch.fx.Node]] = {}
         for n in nodes:
             amount = self._amount(n)
             if amount is None:
                 continue
             x = n.args[0]
-            if x.op != "placeholder" or shared.get(_storage(x), 0) != 1 or \
+            key = _storage(x) if x.op == "placeholder" else None
+            if key is None or shared.get(key, 0) != 1 or last.get(key, -1) > order[n] or \
                     any(order[u] > order[n] for u in x.users if u is not n):
                 continue
             groups.setdefault((type(amount), amount), []).append(n)

@@ -75,7 +75,14 @@ def test_an_input_that_shares_memory_or_a_lone_amount_is_left_alone():
     base = torch.zeros(6)
     gm = dynamo_graph(aliased, torch.randn(4, 3), base[:3], base[3:])  # two views of one tensor
     assert sw.library.BatchInputUpdates().rewrite(gm, sw.passes.VariantSizes({})).modified is False
-    gm = dynamo_graph(counters, *_inputs())
+    def through_a_view(x, a, b):
+        av = a.view(-1)
+        a.add_(1)
+        b.add_(1)
+        return x * av  # reads a, after its add, through a view made before it
+
+    gm = dynamo_graph(through_a_view, torch.randn(4, 3), torch.randn(3), torch.randn(3))
+    assert sw.library.BatchInputUpdates().rewrite(gm, sw.passes.VariantSizes({})).modified is False
     one = dynamo_graph(lambda x, a: (x * a, a.add_(3))[0], torch.randn(4, 3), torch.randn(3))
     assert sw.library.BatchInputUpdates().rewrite(one, sw.passes.VariantSizes({})).modified is False
 
