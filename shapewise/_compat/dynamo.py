@@ -288,6 +288,7 @@ def dynamo_unique_graphs() -> int:
 _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_dynamic_range",
           "_dynamo_hint_overrides", "_has_dynamo_dim_marking")
 _JOURNAL = threading.local()
+_ABSENT = object()
 
 
 def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
@@ -298,9 +299,6 @@ def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
         torch._dynamo.mark_dynamic(t, dim)
     else:
         torch._dynamo.maybe_mark_dynamic(t, dim)
-
-
-_ABSENT = object()
 
 
 @contextlib.contextmanager

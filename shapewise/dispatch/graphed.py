@@ -124,11 +124,10 @@ class InnerAddressCheck:
                 got = map(inner, get(args))
                 if tuple(map(_DATA_PTR, itertools.chain.from_iterable(got) if several else got)) != want:
                     return self._first_moved(args)
-        except Exception:  # noqa: BLE001 - an inner tensor without storage now: look row by row
+            if any(_inner_addresses(args[i], names) != ptrs for i, names, ptrs in self._nested):
+                return self._first_moved(args)
+        except Exception:  # noqa: BLE001 - an inner tensor without storage, or no subclass, now: row by row
             return self._first_moved(args)
-        for i, names, ptrs in self._nested:
-            if _inner_addresses(args[i], names) != ptrs:
-                return i
         return None
 
     def _first_moved(self, args: tuple) -> int | None:

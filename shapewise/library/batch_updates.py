@@ -13,8 +13,8 @@ layer, where one launch does them all.
 
 In: a compute piece's graph (any sizes). Out: each ``x.add_(c)`` whose ``x`` is an input of the
 piece that nothing reads after the add (no later node uses ``x`` or a view of it; no other input
-shares its memory), whose result is unused and whose amount ``c`` is a number, is taken out, and before the
-piece's output one ``torch.ops.aten._foreach_add_.Scalar([x, ...], c)`` per amount adds to all of
+shares its memory), whose result is unused and whose amount ``c`` is a number, is taken out, and
+before the piece's output one ``torch.ops.aten._foreach_add_.Scalar([x, ...], c)`` per amount adds to all of
 them: the same values in every input, read by nothing in between. Nothing is done where fewer than
 two such adds share an amount. ``PassResult.modified`` says whether any was moved.
 """
@@ -26,9 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
 
-from shapewise._compat import node_value
+from shapewise._compat import node_value, storage_key
 from shapewise.passes.base import register_pass
 from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes
 
@@ -39,7 +38,7 @@ _FOREACH_ADD = torch.ops.aten._foreach_add_.Scalar
 
 def _storage(node: torch.fx.Node) -> Any:
     value = node_value(node)
-    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+    return storage_key(value) if isinstance(value, torch.Tensor) else None
 
 
 @register_pass
@@ -70,8 +69,7 @@ class BatchInputUpdates(GraphPass):
                 continue
             x = n.args[0]
             key = _storage(x) if x.op == "placeholder" else None
-            if key is None or shared.get(key, 0) != 1 or last.get(key, -1) > order[n] or \
-                    any(order[u] > order[n] for u in x.users if u is not n):
+            if key is None or shared.get(key, 0) != 1 or last[key] > order[n]:  # (x's own later users count)
                 continue
             groups.setdefault((type(amount), amount), []).append(n)
         output = next(n for n in reversed(nodes) if n.op == "output")

@@ -18,8 +18,9 @@ program each); with more than one, their partial sums (each slice's max, sum and
 in float32) are combined by the last program of the head to finish: each program counts itself
 done on the head's counter (an atomic add, after its partial sums are stored), and the one that
 counts last reads them all, writes the output and sets the counter back to 0. One launch a call,
-where a second kernel to combine took as long as the attention (2.6 against 3.1 µs a layer at 1B
-shapes on the H200, benchmarks/results/decode_h200/decode_kernel). The counters (``_Counters``)
+where a second kernel combined: at 1B shapes on the H200 16 launches a step fewer, but only ~7 µs
+of kernel time (attend 5.2 µs a layer, against attend 3.1 + combine 2.6; the combine's cost was its
+work, not its launch: benchmarks/results/decode_h200_20261204b). The counters (``_Counters``)
 are zeros kept per device: a launch captured into a CUDA graph takes counters of its own, for
 good (a graph's launches never overlap another graph's use of them); other launches share one set
 per stream (launches on one stream run one after another). Where no counters are free (a capture
@@ -177,6 +178,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     if parts is None:
         parts, chunk = decode_attention_plan(b, h, s, sms)
     else:
+        if parts < 1:
+            raise ValueError(f"decode_attention: parts must be >= 1 (slices of the cache), got {parts}")
         chunk = _cdiv(_cdiv(s, BLOCK_S), parts) * BLOCK_S
         parts = _cdiv(s, chunk)
     attend, combine = _kernels()
