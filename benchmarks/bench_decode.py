@@ -18,6 +18,12 @@ Contenders (each on its own copy of the weights):
   sw_full_plain   ``sw_full`` with ``grouped_decode=False, combo_kernels=False, batch_updates=False``
                (the default before fe44f12, 2026-12-03);
   sw_full_nobatch ``sw_full`` with ``batch_updates=False`` (the default before 2026-12-04);
+  sw_full_sync    ``sw_full`` with ``defer_stop=False``: ``generate()`` checks for a stop at every
+               step, waiting for the GPU (the default before 2026-12-04's evening); its step is
+               ``sw_full``'s, only its ``generate()`` differs;
+  hf_recipe_deferred  ``hf_recipe`` with its ``generate()`` inside ``sw._compat.deferred_stop_checks()``
+               (what transformers' loop gives the recipe if told to check for a stop one step late,
+               as compile_generate tells it);
   sw_full_nofuse  ``sw_full_plain`` with ``fuse_projections=False`` (seven matmuls a layer);
   sw_full_split   ``sw_full`` with ``splitting_ops=("sdpa",)``: pieces split at SDPA, so Inductor
                does not fuse across the attention (nor can GroupedDecodeAttention see it;
@@ -89,7 +95,7 @@ from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_plain", "sw_full_nofuse", "sw_full_split",
               "sw_full_and_piecewise", "sw_full_gemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor",
-              "sw_full_nobatch")
+              "sw_full_nobatch", "sw_full_sync", "hf_recipe_deferred")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -108,10 +114,18 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
     if name == "eager":
         model.generation_config.disable_compile = True
         return None
-    if name == "hf_recipe":
+    if name in ("hf_recipe", "hf_recipe_deferred"):
         from transformers import CompileConfig
 
         model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        if name == "hf_recipe_deferred":  # transformers' loop told to check for a stop one step late
+            generate = model.generate
+
+            def generate_deferred(*args: Any, **kwargs: Any) -> Any:
+                with sw._compat.deferred_stop_checks():
+                    return generate(*args, **kwargs)
+
+            model.generate = generate_deferred
         return None
     if name == "sw_full_dtensor":
         on_a_mesh_of_one(model, device)
@@ -120,7 +134,7 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
              "sw_full_plain": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False},
              "sw_full_nofuse": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False,
                                 "fuse_projections": False},
-             "sw_full_nobatch": {"batch_updates": False},
+             "sw_full_nobatch": {"batch_updates": False}, "sw_full_sync": {"defer_stop": False},
              "sw_full_split": {"splitting_ops": ("sdpa",)},
              # every linear at decode in the Triton GEMV, the fused groups too
              "sw_full_gemv": {"graph_passes": [sw.library.DecodeGemv()]},
@@ -165,7 +179,7 @@ class Step:
             model.prepare_inputs_for_generation = prepare_inputs
         # generate() calls the forward with the inputs prepared and return_dict=True
         self.kwargs, self.counters, self.room = {**seen[0], "return_dict": True}, counters, new - 2
-        if name == "hf_recipe":  # the compiled call generate() makes for decode steps
+        if name in ("hf_recipe", "hf_recipe_deferred"):  # the compiled call generate() makes for decode steps
             compiled = model.get_compiled_call(model.generation_config.compile_config)
             self.call = lambda: compiled(**self.kwargs)
         elif getattr(model.generate, "shapewise_borrows", False):

@@ -25,6 +25,7 @@ from the cache object as the trace read them, and what the forward sets on the c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from shapewise import _compat
 from shapewise.backend import cudagraphs_options
 from shapewise.dispatch.copies import borrowed_outputs
 from shapewise.errors import ConfigError
@@ -138,10 +140,12 @@ def _keeps_outputs(model: torch.nn.Module, kwargs: dict) -> str | None:
     return next((f"{n} is set" for n in _KEEPS_OUTPUTS if get(n)), None)
 
 
-def _borrowing_generate(model: torch.nn.Module) -> Any:
+def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_stop: bool = False) -> Any:
     """``model.generate`` that runs inside ``borrowed_outputs()`` (the CUDA graphs' logits not
-    copied per step) where the call keeps no output tensor (``_keeps_outputs``, on its arguments
-    bound by name: a positional ``generation_config`` counts)."""
+    copied per step; ``borrow``) where the call keeps no output tensor (``_keeps_outputs``, on its
+    arguments bound by name: a positional ``generation_config`` counts), and inside
+    ``_compat.deferred_stop_checks()`` (``defer_stop``: on a CUDA model, whether to stop is read one
+    step late, so the host is never held at a step's end waiting for the GPU)."""
     generate = model.generate
     try:
         signature = inspect.signature(generate)
@@ -162,22 +166,27 @@ def _borrowing_generate(model: torch.nn.Module) -> Any:
         return {**bound, **extra}
 
     @functools.wraps(generate)
-    def generate_borrowing(*args: Any, **kwargs: Any) -> Any:
-        named = by_name(args, kwargs)
-        if named is None or _keeps_outputs(model, named) is not None:
-            return generate(*args, **kwargs)
-        with borrowed_outputs():
+    def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as scope:
+            if borrow:
+                named = by_name(args, kwargs)
+                if named is not None and _keeps_outputs(model, named) is None:
+                    scope.enter_context(borrowed_outputs())
+            if defer_stop:
+                scope.enter_context(_compat.deferred_stop_checks())
             return generate(*args, **kwargs)
 
-    generate_borrowing.shapewise_borrows = True
-    return generate_borrowing
+    generate_shapewise.shapewise_borrows = borrow
+    generate_shapewise.shapewise_defers_stop = defer_stop
+    return generate_shapewise
 
 
 def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
                      prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
                      static_cache: bool = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
-                     batch_updates: bool | None = None, **options: Any) -> ShapewiseModule:
+                     batch_updates: bool | None = None, defer_stop: bool | None = None,
+                     **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
 
@@ -217,6 +226,13 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     states or attentions; not beams, assisted, DoLa or contrastive decoding, not classifier-free
     guidance) runs inside ``shapewise.dispatch.borrowed_outputs()``, so each step's logits are
     the graph's own buffer, not a copy of it (``generate()`` copies the last position itself).
+    ``defer_stop``: ``generate()`` on a CUDA model decides whether to stop one step late
+    (``_compat.deferred_stop_checks``: transformers' own ``DeferredStopCheck``, which it turns on for
+    MPS only), so the host queues the next step while the GPU runs this one, instead of waiting at
+    every token for ``unfinished.max() == 0``; where an EOS token stops it, one extra step runs and
+    its token is dropped, so the tokens are the same. Not where the cache is returned
+    (``return_dict_in_generate``, a cache passed in) or for assisted decoding: there it checks at
+    every step, as before. By default (None) on for a model on a GPU.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
@@ -285,6 +301,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         combo_kernels = on_gpu and full
     if batch_updates is None:
         batch_updates = on_gpu and full
+    if defer_stop is None:
+        defer_stop = on_gpu
     passes = list(options.get("graph_passes", ()))
     if batch_updates:
         from shapewise.library.batch_updates import BatchInputUpdates
@@ -316,8 +334,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     model.forward = fast
     # Borrowing needs a static cache: a dynamic cache's tensors are the forward's outputs (a
     # prefill graph's buffers, which a cache returned or passed in would keep past the call).
-    # And transformers' own generate(), not one the model already replaced (Hub code).
-    if cudagraphs_options(options.get("cudagraphs", False)) and static_cache and hasattr(model, "generate") \
-            and "generate" not in vars(model):
-        model.generate = _borrowing_generate(model)
+    # Both wrap transformers' own generate() only, not one the model already replaced (Hub code).
+    borrow = bool(cudagraphs_options(options.get("cudagraphs", False))) and static_cache
+    if (borrow or defer_stop) and hasattr(model, "generate") and "generate" not in vars(model):
+        model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop)
     return fast

@@ -3,7 +3,8 @@ touches only it. ``shapes`` (fake tensors, ShapeEnvs, symbols, guards, Dynamo's 
 constants), ``dynamo`` (marks, sources, trace errors, locks), ``inductor`` (compiles, generated code,
 artifacts), ``ops``
 (torch's operator objects), ``cuda`` (the caching allocator's private pools), ``distributed``
-(DTensor's mesh, placements and spec as plain values).
+(DTensor's mesh, placements and spec as plain values), ``hf`` (transformers' generation loop, imported
+only when used).
 
 Supported: torch >= 2.11 (GPU machine: 2.11.0; CPU machines: 2.13.0).
 """
@@ -17,6 +18,8 @@ from shapewise._compat.distributed import *  # noqa: F403
 from shapewise._compat.distributed import __all__ as _distributed_all
 from shapewise._compat.dynamo import *  # noqa: F403
 from shapewise._compat.dynamo import __all__ as _dynamo_all
+from shapewise._compat.hf import *  # noqa: F403
+from shapewise._compat.hf import __all__ as _hf_all
 from shapewise._compat.inductor import *  # noqa: F403
 from shapewise._compat.inductor import __all__ as _inductor_all
 from shapewise._compat.ops import *  # noqa: F403
@@ -41,6 +44,7 @@ __all__ = [
     *_cuda_all,
     *_distributed_all,
     *_dynamo_all,
+    *_hf_all,
     *_precompile_all,
     *_inductor_all,
     *_ops_all,

@@ -309,7 +309,7 @@ def test_a_model_given_the_whole_sequence_at_each_step_is_refused_with_the_reaso
 
 def test_generate_borrows_the_graphs_outputs_only_where_it_keeps_none():
     from shapewise.dispatch.copies import copy_out, outputs_borrowed
-    from shapewise.generate import _borrowing_generate, _keeps_outputs
+    from shapewise.generate import _keeps_outputs, _shapewise_generate
 
     model = _llama()
     seen = []
@@ -318,7 +318,7 @@ def test_generate_borrows_the_graphs_outputs_only_where_it_keeps_none():
         seen.append(outputs_borrowed())
 
     model.generate = generate
-    model.generate = _borrowing_generate(model)
+    model.generate = _shapewise_generate(model)
     ids = torch.zeros(1, 2, dtype=torch.long)
     model.generate(ids, max_new_tokens=3)
     model.generate(ids, do_sample=True, output_logits=True,
