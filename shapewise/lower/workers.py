@@ -17,7 +17,8 @@ first what they were not given (range variants), then theirs from the far end of
 ``compile_or_load`` that loads what a worker wrote, waits on the lock of one a worker is compiling,
 or compiles one no worker has started. So a worker that fails (a graph that does not pickle, a
 custom op its process does not know) costs nothing but its time: the session compiles that key
-itself. Inductor's own compile threads keep working inside each worker.
+itself. Inductor's own compile threads keep working inside each worker: the CPUs shared out among
+the workers (``worker_compile_threads``), not the session's count in each.
 
 Only with a disk cache (``cache`` not False): the cache is how artifacts come back.
 """
@@ -46,7 +47,8 @@ import torch
 
 from shapewise import _compat
 
-__all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes", "warm_up"]
+__all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes", "warm_up",
+           "worker_compile_threads"]
 
 log = logging.getLogger("shapewise")
 
@@ -58,11 +60,24 @@ MAX_TASK_BYTES = 64 << 20
 OUTCOME_WAIT_S = 10.0
 
 
+def _cpus() -> int:
+    """The CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_workers() -> int:
     """Worker processes for ``compile_workers="auto"``: half the CPUs this process may use (each
     worker's Inductor compiles Triton kernels on threads of its own), at most 8; 1 (none) below 4."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = _cpus()
     return 1 if cpus < 4 else min(MAX_WORKERS, cpus // 2)
+
+
+def worker_compile_threads(workers: int) -> int:
+    """Inductor's ``compile_threads`` in each of ``workers`` workers: the CPUs shared out among them
+    (at least 1). Each would otherwise take the session's (Inductor's default: one per CPU, each a
+    process of its own under its subprocess pool), so N workers would start N times as many compile
+    processes as there are CPUs (on the H200's 16-CPU machine, 6 workers: 96)."""
+    return max(1, _cpus() // max(1, workers))
 
 
 def resolve_workers(option: Any) -> int:
@@ -169,10 +184,12 @@ def _set_numerics(state: dict[str, Any]) -> None:
 
 
 def _init_worker(config: bytes, fingerprint: str, cache_root: str, modules: Sequence[str],
-                 numerics: dict[str, Any] | None = None) -> None:
+                 numerics: dict[str, Any] | None = None, compile_threads: int | None = None) -> None:
     from torch._inductor import config as inductor_config
 
     inductor_config.load_config(config)
+    if compile_threads is not None:  # not part of the fingerprint (Inductor's cache does not key on it)
+        inductor_config.compile_threads = compile_threads
     if numerics is not None:
         _set_numerics(numerics)
     _STATE["config_ok"] = _compat.inductor_config_fingerprint() == fingerprint
@@ -341,7 +358,7 @@ def _processes(workers: int, cache_root: str) -> _Processes:
     with _SHARED_LOCK:
         if _SHARED:
             old = _SHARED[0]
-            _, was_fingerprint, was_root, was_modules, was_numerics = old.setup
+            _, was_fingerprint, was_root, was_modules, was_numerics, _ = old.setup
             if (was_fingerprint, was_root, was_numerics) == (fingerprint, cache_root, numerics) \
                     and set(modules) <= set(was_modules) and len(old.procs) >= workers and old.alive():
                 return old
@@ -349,7 +366,8 @@ def _processes(workers: int, cache_root: str) -> _Processes:
             old.shutdown()
         else:
             atexit.register(_shutdown_shared)
-        made = _Processes(workers, (inductor_config.save_config(), fingerprint, cache_root, modules, numerics))
+        made = _Processes(workers, (inductor_config.save_config(), fingerprint, cache_root, modules, numerics,
+                                    worker_compile_threads(workers)))
         _SHARED.append(made)
         return made
 

@@ -175,3 +175,15 @@ def test_an_outcome_never_waits_for_a_task_no_worker_has_started():
     assert pool.outcome("aa" * 32, timeout=0.01) == "running"
     queued.set_result(("aa" * 32, "compiled", 1.0))
     assert pool.outcome("aa" * 32) == "compiled"
+
+
+def test_workers_share_the_cpus_out_for_inductors_compile_threads(tmp_path, monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(workers, "_cpus", lambda: 16)
+    assert [workers.worker_compile_threads(n) for n in (1, 2, 6, 16, 32)] == [16, 8, 2, 1, 1]
+    config, fingerprint = inductor_config.save_config(), sw._compat.inductor_config_fingerprint()
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)  # restored after
+    workers._init_worker(config, fingerprint, str(tmp_path), [], None, 3)
+    # The worker compiles on its share of the threads, and its config still matches the session's.
+    assert inductor_config.compile_threads == 3 and workers._STATE["config_ok"]
