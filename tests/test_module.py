@@ -512,3 +512,18 @@ def test_a_trace_takes_its_dim_marks_off_the_callers_tensors():
         other = sw.compile(MLP().eval(), sizes=[4], backend="aot_eager", progress=False)
         other(x)
     assert fast.traces == 1 and other.traces == 1 and not _marks(x)
+
+
+def test_marks_come_off_a_subclass_inputs_inner_tensors_too():
+    # Dynamo's mark_dynamic marks a tensor subclass's inner tensors of the same rank as well (and
+    # keeps a _specialize_on table beside the marks): all of it comes off.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def marks(t):
+        return {a: v for a, v in vars(t).items() if "dynamo" in a or a == "_specialize_on"}
+
+    pair = TwoTensor(torch.randn(4, 3), torch.randn(4, 3))
+    with sw._compat.marks_taken_off():
+        sw._compat.mark_dynamic(pair, 0)
+        assert marks(pair) and marks(pair.a) and marks(pair.b)
+    assert not marks(pair) and not marks(pair.a) and not marks(pair.b)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from shapewise._compat.shapes import sym_expr
+from shapewise._compat.shapes import is_traceable_wrapper_subclass, sym_expr
 
 __all__ = [
     "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock",
@@ -286,15 +286,27 @@ def dynamo_unique_graphs() -> int:
 # The attributes Dynamo's dim marks live in, on the tensor (guarded on: a tensor carrying a mark
 # the trace's did not fails its guards), and the marks' state before ``marks_taken_off`` (per thread).
 _MARKS = ("_dynamo_dynamic_indices", "_dynamo_weak_dynamic_indices", "_dynamo_dynamic_range",
-          "_dynamo_hint_overrides", "_has_dynamo_dim_marking")
+          "_dynamo_hint_overrides", "_has_dynamo_dim_marking", "_specialize_on")
 _JOURNAL = threading.local()
 _ABSENT = object()
 
 
+def _journal_marks(journal: dict[int, Any], t: torch.Tensor) -> None:
+    """Keep ``t``'s marks as they are now, and those of its inner tensors where it is a tensor
+    subclass (Dynamo's ``mark_dynamic`` marks the inner tensors of the same rank as well)."""
+    if id(t) not in journal:
+        journal[id(t)] = (t, {a: copy.copy(v) for a in _MARKS if (v := getattr(t, a, _ABSENT)) is not _ABSENT})
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            inner = getattr(t, name, None)
+            if isinstance(inner, torch.Tensor):
+                _journal_marks(journal, inner)
+
+
 def mark_dynamic(t: torch.Tensor, dim: int, strict: bool = True) -> None:
     journal = getattr(_JOURNAL, "was", None)
-    if journal is not None and id(t) not in journal:
-        journal[id(t)] = (t, {a: copy.copy(v) for a in _MARKS if (v := getattr(t, a, _ABSENT)) is not _ABSENT})
+    if journal is not None:
+        _journal_marks(journal, t)
     if strict:
         torch._dynamo.mark_dynamic(t, dim)
     else:
