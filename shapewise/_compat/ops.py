@@ -10,9 +10,8 @@ import torch
 from torch.fx.passes.infra.pass_base import PassResult  # what a graph pass returns; torch marks it not BC
 
 __all__ = ["LINEAR_FUNCTIONS", "PassResult", "any_requires_grad", "custom_op_impl", "dispatch_modes",
-           "increment_version", "is_op_overload", "is_op_packet", "op_by_name", "op_key", "op_overloads", "op_qualname",
-           "op_schema",
-           "profiler_enabled", "torch_function_mode_enabled"]
+           "increment_version", "hop_by_name", "hop_name", "is_op_overload", "is_op_packet", "op_by_name", "op_key",
+           "op_overloads", "op_qualname", "op_schema", "profiler_enabled", "torch_function_mode_enabled"]
 
 #: What ``F.linear`` appears as in a Dynamo graph (its C binding), and the Python function itself.
 LINEAR_FUNCTIONS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})
@@ -42,6 +41,17 @@ def op_by_name(qualname: str, overload: str) -> Any:
     ns, name = qualname.split("::", 1)
     packet = getattr(getattr(torch.ops, ns), name)
     return getattr(packet, overload) if overload else packet
+
+
+def hop_name(target: Any) -> str | None:
+    """The name of a higher-order operator (``torch.ops.higher_order.<name>``), else None."""
+    return target.name() if isinstance(target, torch._ops.HigherOrderOperator) else None
+
+
+def hop_by_name(name: str) -> Any:
+    """The higher-order operator ``hop_name`` names: how a pickled graph gets it back as torch's
+    own object (pickled as it is, it would come back a copy, which no ``is`` test in Inductor knows)."""
+    return getattr(torch.ops.higher_order, name)
 
 
 def op_overloads(packet: Any) -> list[str]:

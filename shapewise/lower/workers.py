@@ -132,26 +132,37 @@ def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options:
 
 class _TaskPickler(pickle.Pickler):
     """Pickles torch's op objects by name (``_compat.op_by_name``): a graph pass puts OpOverloads into
-    graphs (``shapewise::linear_group``, ``aten::_foreach_add_``), which do not pickle themselves."""
+    graphs (``shapewise::linear_group``, ``aten::_foreach_add_``), which do not pickle themselves;
+    and higher-order operators (``wrap_with_autocast``), which would come back as copies."""
 
     def reducer_override(self, obj: Any) -> Any:
         named = _compat.op_qualname(obj)
-        return (_compat.op_by_name, named) if named is not None else NotImplemented
+        if named is not None:
+            return _compat.op_by_name, named
+        hop = _compat.hop_name(obj)
+        return (_compat.hop_by_name, (hop,)) if hop is not None else NotImplemented
+
+
+# The node meta a worker's graph keeps: source lines, and the user's annotations
+# (``torch.fx.traceback.annotate``), which Inductor may read; a value that does not pickle keeps
+# the variant in the session.
+_TASK_META = ("stack_trace", "custom")
 
 
 def _graph_payload(gm: torch.fx.GraphModule) -> tuple[torch.fx.Graph, dict[str, Any]]:
     """``gm`` as a worker rebuilds it: its graph without the nodes' traced values (fake tensors,
     which do not pickle; the worker traces them again from its inputs) and with no meta but their
-    source lines (``nn_module_stack`` holds the model's classes, which need not pickle: a class made
-    inside a function), and the attributes its ``get_attr`` nodes read. The graph itself, not the
-    GraphModule: unpickling a GraphModule traces its generated code again with FX's symbolic tracer,
-    which a Dynamo graph does not survive (slices by sizes, ``if`` on a tensor)."""
+    source lines and annotations (``_TASK_META``; ``nn_module_stack`` holds the model's classes, which
+    need not pickle: a class made inside a function), and the attributes its ``get_attr`` nodes read.
+    The graph itself, not the GraphModule: unpickling a GraphModule traces its generated code again
+    with FX's symbolic tracer, which a Dynamo graph does not survive (slices by sizes, ``if`` on a
+    tensor)."""
     import copy
 
     graph = copy.deepcopy(gm.graph)
     attrs: dict[str, Any] = {}
     for node in graph.nodes:
-        node.meta = {k: v for k, v in node.meta.items() if k == "stack_trace"}
+        node.meta = {k: v for k, v in node.meta.items() if k in _TASK_META}
         if node.op == "call_module":
             raise TypeError(f"a call_module node ({node.target}): the worker would need the module")
         if node.op == "get_attr":

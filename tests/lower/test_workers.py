@@ -132,6 +132,25 @@ def test_a_graph_with_ops_and_a_local_module_class_goes_to_a_worker():
     assert_same(got[0] if isinstance(got, (tuple, list)) else got, (torch.relu(x) + 1) * 2, "rebuilt")
 
 
+def test_a_workers_graph_keeps_torchs_own_higher_order_ops_and_the_users_annotations():
+    # A higher-order op pickled as it is would come back a copy, which Inductor's identity tests
+    # do not know; the user's annotations (meta["custom"]) can change what Inductor makes.
+    import pickle
+
+    hop = torch.ops.higher_order.wrap_with_autocast
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    call = graph.call_function(hop, ("cpu", torch.bfloat16, True, None, None, x))
+    call.meta["custom"] = {"stage": 1}
+    graph.output(call)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with sw._compat.FakeTensorMode():
+        args = [torch.empty(2)]
+    data = workers.task_bytes("c2" * 32, gm, args, {}, {"piece": "test"})
+    nodes = list(workers._rebuilt(pickle.loads(data)["gm"]).graph.nodes)
+    assert nodes[1].target is hop and nodes[1].meta == {"custom": {"stage": 1}}
+
+
 def test_what_a_worker_prints_goes_to_stderr_not_into_its_pipe(tmp_path):
     # torch, Triton or a compiler may print to stdout (fd 1) in a worker; the protocol keeps its own.
     # Here a module the worker imports at setup prints, from Python and at the descriptor.
