@@ -202,7 +202,12 @@ def test_workers_share_the_cpus_out_for_inductors_compile_threads(tmp_path, monk
     monkeypatch.setattr(workers, "_cpus", lambda: 16)
     assert [workers.worker_compile_threads(n) for n in (1, 2, 6, 16, 32)] == [16, 8, 2, 1, 1]
     config, fingerprint = inductor_config.save_config(), sw._compat.inductor_config_fingerprint()
-    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)  # restored after
-    workers._init_worker(config, fingerprint, str(tmp_path), [], None, 3)
-    # The worker compiles on its share of the threads, and its config still matches the session's.
-    assert inductor_config.compile_threads == 3 and workers._STATE["config_ok"]
+    monkeypatch.setattr(workers, "_STATE", {})
+    # Inductor's own patch restores the setting after (pytest's monkeypatch would delete it on undo:
+    # a config module keeps its settings outside __dict__, and the next compile found no compile_threads).
+    before = inductor_config.compile_threads
+    with inductor_config.patch(compile_threads=before):
+        workers._init_worker(config, fingerprint, str(tmp_path), [], None, 3)
+        # The worker compiles on its share of the threads, and its config still matches the session's.
+        assert inductor_config.compile_threads == 3 and workers._STATE["config_ok"]
+    assert inductor_config.compile_threads == before  # still there for the next compile
