@@ -288,3 +288,21 @@ def test_the_last_program_of_a_head_combines_in_cuda_graphs_and_leaves_its_count
     pool, used = _COUNTERS._captured[q.device]
     assert used >= b * h and not pool[:used].any().item()
     assert not any(c.any().item() for c in _COUNTERS._streams.values())
+
+
+def test_captured_launches_past_the_counters_pool_fall_back_and_say_so(monkeypatch, caplog):
+    # A capture takes counters of its own from the device's pool, never given back; past its
+    # end a captured launch gets none (the second kernel combines) and the log says so, once.
+    import logging
+
+    from shapewise.library.kernels.decode_attention import _Counters
+
+    counters, device = _Counters(), torch.device("cuda", 0)
+    counters._captured[device] = [torch.zeros(8, dtype=torch.int32), 0]  # a small pool (on the CPU)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with caplog.at_level(logging.INFO, logger="shapewise"):
+        first, second = counters.take(device, 4), counters.take(device, 4)
+        assert first.numel() == 4 and second.numel() == 4 and first.data_ptr() != second.data_ptr()
+        assert counters.take(device, 4) is None and counters.take(device, 1) is None
+    said = [r.getMessage() for r in caplog.records if "used up" in r.getMessage()]
+    assert len(said) == 1 and "second kernel" in said[0], said

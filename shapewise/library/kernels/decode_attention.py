@@ -37,6 +37,7 @@ it is for inference (decode).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 from typing import Any
@@ -45,6 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from shapewise.library.kernels.gemv import triton_gemv_available
+
+log = logging.getLogger("shapewise")
 
 __all__ = ["decode_attention", "decode_attention_plan"]
 
@@ -126,7 +129,9 @@ class _Counters:
     """The heads' counters of the last-program combine (module docstring): int32 zeros, which
     each launch leaves at zero. A launch captured into a CUDA graph takes its own from a pool set
     aside per device (made by the device's first launch outside a capture: memory made during a
-    capture is the graph's), never given back; other launches use their stream's."""
+    capture is the graph's), never given back (a graph may be replayed for as long as it lives, and
+    nothing says when it dies); other launches use their stream's. A capture that finds the pool
+    used up combines with the second kernel, as before, said once in the log."""
 
     CAPTURED = 1 << 20  # counters set aside per device for captured launches (4 MiB)
 
@@ -135,6 +140,7 @@ class _Counters:
         self._captured: dict[Any, list] = {}  # device -> [pool, next free]
         self._streams: dict[tuple, torch.Tensor] = {}  # (device, stream) -> its counters
         self._old: list[torch.Tensor] = []  # outgrown sets (a launch in flight may still use one)
+        self._said = False  # the pool's end logged
 
     def take(self, device: torch.device, n: int) -> torch.Tensor | None:
         """``n`` counters for a launch on ``device``'s current stream, or None (combine with the second kernel)."""
@@ -143,6 +149,11 @@ class _Counters:
             with self._lock:
                 pool = self._captured.get(device)
                 if pool is None or pool[1] + n > pool[0].numel():
+                    if pool is not None and not self._said:
+                        self._said = True
+                        log.info("shapewise: decode_attention's counters for captured launches on %s are used up "
+                                 "(%d, %d per launch): launches captured from now on combine their slices in a "
+                                 "second kernel (one more launch a layer)", device, pool[0].numel(), n)
                     return None
                 pool[1] += n
                 return pool[0][pool[1] - n:pool[1]]
