@@ -43,6 +43,7 @@ EXAMPLES = {
     "overlap_all_reduce": [sw.library.OverlapAllReduce(chunks=2, min_tokens=64, align=16, min_slice=16)],
     "fuse_projections": [sw.library.FuseProjections(max_tokens=16)],
     "grouped_decode_attention": [sw.library.GroupedDecodeAttention()],
+    "batch_input_updates": [sw.library.BatchInputUpdates()],
 }
 
 
