@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import sympy
 import torch
 
 import shapewise as sw
@@ -354,3 +355,69 @@ def test_inductor_warm_start_in_a_fresh_process_loads_every_variant_from_the_cac
     warm = child()
     assert warm["ok"] and "loaded" in warm["info"], warm
     assert warm["sources"] == ["cache"] * len(cold["sources"]), warm
+
+
+class _WritesThroughAView(torch.nn.Module):
+    """Writes its buffer through a view (a cache's slice), then reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4, 32))
+
+    def forward(self, x):
+        self.cache[:, : x.shape[0]].copy_(x.expand(4, -1))
+        return self.cache.sum(0) + x.sum()
+
+
+def test_a_saved_program_keeps_its_facts_and_its_inner_values_come_back_for_a_compile(tmp_path):
+    from shapewise.dispatch.saved import program_bytes, program_from_bytes
+    from shapewise.ir import effects
+
+    model = _WritesThroughAView()
+    fast = sw.compile(model, sizes=[2, 3], ranges=[(5, 16)], backend="aot_eager", progress=False)
+    x = torch.randn(3)
+    assert_same(fast(x), _WritesThroughAView()(x))
+    (runnable,) = fast.runnables
+    live = runnable.program
+    loaded, _ = program_from_bytes(program_bytes(runnable))
+    for was, now in [(live.gm, loaded.gm), *((p.gm, q.gm) for p, q in zip(live.pieces, loaded.pieces))]:
+        # What the run time reads is what the live graph says, the write through a view included (the
+        # saved view is a plain tensor of its layout: recomputed from it, the write would be lost).
+        assert effects.mutated_inputs(now) == effects.mutated_inputs(was)
+        assert effects.aliased_outputs(now) == effects.aliased_outputs(was)
+        assert effects.inputs_aliased_by_outputs(now) == effects.inputs_aliased_by_outputs(was)
+    assert effects.mutated_inputs(loaded.gm), "the buffer written through a view is a mutated input"
+    # Inputs and outputs keep their values; the nodes between come back from them, as they were.
+    gm = loaded.pieces[0].gm
+    inner = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    kept = effects._kept(gm)
+    assert inner and all(_compat.node_value(n) is None for n in inner if n not in kept)
+    assert effects.restore_values(gm) and not effects.restore_values(gm)  # once
+    was = {n.name: _compat.node_value(n) for n in live.pieces[0].gm.graph.nodes}
+    for n in inner:
+        v, w = _compat.node_value(n), was[n.name]
+        if isinstance(w, torch.Tensor):
+            assert v.dtype == w.dtype and len(v.shape) == len(w.shape), n.name
+            for size in (5, 16):  # the same sizes over the range (the loaded sizes may be simplified)
+                at = [sympy.sympify(str(d)).subs({s: size for s in sympy.sympify(str(d)).free_symbols})
+                      for d in (*v.shape, *w.shape)]
+                assert at[:len(v.shape)] == at[len(v.shape):], (n.name, v.shape, w.shape)
+    # The live program lent its values for the save and has every one of them back.
+    assert all(_compat.node_value(n) is not None for n in live.pieces[0].gm.graph.nodes if n.op != "output")
+    assert effects.saved_facts(live.gm) is None
+
+
+def test_a_loaded_graph_made_lazy_generates_its_code_at_its_first_call_each_its_own():
+    from shapewise._compat import precompile
+
+    graphs = [torch.fx.symbolic_trace(f) for f in (lambda x: x * 2 + 1, lambda x: x.sin())]
+    loaded = _compat.graph_loads(_compat.graph_dumps(graphs, graphs))
+    for gm in loaded:
+        _compat.recompile_loaded(gm, lazy=True)
+        assert type(gm).forward is precompile._forward_on_first_call
+    x = torch.randn(5)
+    forward = loaded[1].forward  # bound before its code exists, as a fallback's callable is
+    assert_same(forward(x), graphs[1](x))
+    assert_same(loaded[0](x), graphs[0](x))
+    assert_same(loaded[1](x), graphs[1](x))
+    assert all(type(gm).forward is not precompile._forward_on_first_call for gm in loaded)

@@ -19,6 +19,13 @@ with ``warm_start=True`` (the warm start loads the whole program: no Dynamo trac
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
+
+``--cpu-layers N`` runs the same starts on this machine's CPU instead: the tiny Llama of
+``bench_generate`` (hidden 64) with N layers, fp32, no CUDA graphs, but the programs the GPU's defaults
+make (full graphs, FuseProjections); its graphs have as many nodes as a large model's of N layers, so the
+host side of a start (tracing, keying, saving, loading) is measured.
+
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out /tmp/w --warm --kinds whole --cpu-layers 16 --profile
 """
 
 from __future__ import annotations
@@ -36,16 +43,20 @@ ROOT = Path(__file__).resolve().parents[2]
 SIZES = (16, 32, 64, 128, 256)
 
 
-def child(workers: int, warm_start: bool = False, profile: str | None = None) -> dict:
+def child(workers: int, warm_start: bool = False, profile: str | None = None, cpu_layers: int = 0) -> dict:
     t0 = time.perf_counter()
     import torch
 
     sys.path.insert(0, str(ROOT))
     import shapewise as sw
-    from benchmarks.bench_generate import LLAMA_1B, llama
+    from benchmarks.bench_generate import LLAMA_1B, TINY, llama
 
-    model = llama(LLAMA_1B, "cuda", torch.bfloat16)
-    ids = torch.randint(0, 1000, (1, 64), device="cuda")
+    device = "cpu" if cpu_layers else "cuda"
+    if cpu_layers:
+        model = llama(TINY, "cpu", torch.float32, cpu_layers)
+    else:
+        model = llama(LLAMA_1B, "cuda", torch.bfloat16)
+    ids = torch.randint(0, 200, (1, 64), device=device)
     with torch.no_grad():
         model.generation_config.disable_compile = True
         want = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
@@ -57,12 +68,16 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None) ->
 
         prof = cProfile.Profile()
         prof.enable()
+    # On the CPU, the programs the GPU's defaults make: full graphs, the projections fused per size.
+    cpu_as_gpu = dict(splitting_ops=(), fuse_projections=True) if cpu_layers else {}
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
-                               cudagraphs="full", compile_workers=workers, progress=False, warm_start=warm_start)
+                               cudagraphs=False if cpu_layers else "full", compile_workers=workers, progress=False,
+                               warm_start=warm_start, **cpu_as_gpu)
     with torch.no_grad():
         got = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    torch.cuda.synchronize()
+    if not cpu_layers:
+        torch.cuda.synchronize()
     first_s = time.perf_counter() - t
     if prof is not None:
         import io
@@ -80,8 +95,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None) ->
         sources[r["source"]] = sources.get(r["source"], 0) + 1
     return {"workers": workers, "first_generate_s": round(first_s, 2), "setup_s": round(setup_s, 2),
             "variant_seconds": round(sum(r["seconds"] for r in rows), 2), "sources": sources,
-            "tokens_equal_eager_bf16": bool(torch.equal(got, want)), "traces": fast.traces,
-            "warm_start": warm_start, "warm_info": fast.warm_info}
+            f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
+            "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info}
 
 
 def main() -> None:
@@ -100,9 +115,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="with --warm: a cProfile of each warm start's first generate() under --out")
     ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's
+    ap.add_argument("--cpu-layers", type=int, default=0,
+                    help="on the CPU: the tiny Llama with this many layers instead of the 1B on the GPU")
     args = ap.parse_args()
     if args.child is not None:
-        print(json.dumps(child(args.child, args.warm_start, args.profile_to)))
+        print(json.dumps(child(args.child, args.warm_start, args.profile_to, args.cpu_layers)))
         return
     if args.warm:
         return warm_main(args)
@@ -118,8 +135,18 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cold_generate.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+        {"gpu": _device_name(args), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
          "prompt_sizes": SIZES, "rows": results}, indent=1))
+
+
+def _device_name(args: argparse.Namespace) -> str:
+    import platform
+
+    import torch
+
+    if args.cpu_layers:
+        return f"CPU ({platform.processor() or platform.machine()}), tiny Llama of {args.cpu_layers} layers"
+    return torch.cuda.get_device_name()
 
 
 def _cache_env(folder: str) -> dict:
@@ -134,7 +161,8 @@ def _run_child(args: argparse.Namespace, env: dict, workers: int, warm_start: bo
                profile_to: str | None = None) -> dict:
     t = time.perf_counter()
     cmd = [sys.executable, __file__, "--out", args.out, "--child", str(workers),
-           *(["--warm-start"] if warm_start else []), *(["--profile-to", profile_to] if profile_to else [])]
+           *(["--warm-start"] if warm_start else []), *(["--profile-to", profile_to] if profile_to else []),
+           "--cpu-layers", str(args.cpu_layers)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
@@ -151,7 +179,7 @@ def warm_main(args: argparse.Namespace) -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    head = {"gpu": torch.cuda.get_device_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+    head = {"gpu": _device_name(args), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
             "prompt_sizes": SIZES}
     rows: list[dict] = []
     kinds = {"whole": True, "pieces": False}

@@ -144,16 +144,27 @@ def compiles_as_usual() -> Any:
         contextlib.nullcontext()
 
 
-def recompile_loaded(gm: torch.fx.GraphModule) -> None:
+def recompile_loaded(gm: torch.fx.GraphModule, *, lazy: bool = False) -> None:
     """Give a GraphModule ``graph_loads`` made (and its GraphModule submodules) their ``forward``
     again (GraphPickler restores the graph, not the code generated from it), and each node the
-    ``example_value`` Dynamo gave it, as its saved ``val`` (AOTAutograd's cache reads it)."""
+    ``example_value`` Dynamo gave it, as its saved ``val`` (AOTAutograd's cache reads it). With
+    ``lazy``, the code is generated at the first call of ``forward`` (a graph a warm start keeps
+    for its facts, or for a compile its cached artifact makes unneeded, is never run)."""
     for m in gm.modules():
         if isinstance(m, torch.fx.GraphModule):
             for node in m.graph.nodes:
                 if "val" in node.meta:
                     node.meta.setdefault("example_value", node.meta["val"])
-            m.recompile()
+            if lazy and "forward" not in type(m).__dict__:
+                type(m).forward = _forward_on_first_call  # (its own class: GraphModule makes one per instance)
+            else:
+                m.recompile()
+
+
+def _forward_on_first_call(self: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    if type(self).forward is _forward_on_first_call:
+        self.recompile()  # sets its class's forward to the generated one
+    return type(self).forward(self, *args, **kwargs)
 
 
 _AOT_PATCHED = ("strict_autograd_cache", "bypass_autograd_cache_key", "bundled_autograd_cache",

@@ -3,10 +3,12 @@ its pieces again: shapewise's half of the whole-program artifact (Dynamo's half,
 guards, is torch's ``aot_compile``: ``shapewise.warm``).
 
 In: a ``Runnable``. ``program_bytes`` saves its final Program (the whole graph, the stitching
-graph, every piece's graph with its fake values, the shape facts, the bindings, each variant's
+graph, every piece's graph, the shape facts, the bindings, each variant's
 rewritten graph and passes, the dispatch and CUDA-graph plans, the lowering's options), with
 per variant its example inputs' layouts and its artifact's content key, through torch's
-``GraphPickler``. Compiled callables are not in it: ``load_program`` lowers the loaded Program
+``GraphPickler``, each graph with its facts (``ir.effects``) and the fake values of its inputs and
+outputs only (the ones between were half of a warm start: a compile that needs them makes them
+again from the inputs'). Compiled callables are not in it: ``load_program`` lowers the loaded Program
 again in a compile session that already knows every key, so each variant comes from the
 artifact cache (a variant not there is compiled, as on a cold start) and the Runnable builds its
 run-time state (table, guards, CUDA graphs) from the plans as it always does.
@@ -27,6 +29,7 @@ from typing import Any
 from shapewise import _compat
 from shapewise.concretize.examples import example_args_from_layouts, example_layouts
 from shapewise.errors import ShapewiseError
+from shapewise.ir.effects import values_left_out
 from shapewise.ir.program import Program
 
 __all__ = ["FORMAT", "NotSaved", "load_program", "program_bytes", "program_from_bytes"]
@@ -87,7 +90,10 @@ def program_bytes(runnable: Any) -> bytes:
     stripped = program.replace(pieces=tuple(pieces))
     state = {"format": FORMAT, "modules": _modules(program), "layouts": layouts, "keys": keys}
     try:
-        return pickle.dumps({**state, "program": _compat.graph_dumps(stripped, _graphs(stripped))})
+        # Under the compile lock: the graphs lend their inner values out while they pickle, and a
+        # background compile of one of them must not run meanwhile.
+        with _compat.compile_lock(), values_left_out(_graphs(stripped)):
+            return pickle.dumps({**state, "program": _compat.graph_dumps(stripped, _graphs(stripped))})
     except Exception as e:  # noqa: BLE001 - whatever does not pickle: said, and the program runs unsaved
         raise NotSaved(f"the program does not pickle ({type(e).__name__}: {str(e)[:300]})") from None
 
@@ -101,8 +107,9 @@ def program_from_bytes(data: bytes) -> tuple[Program, dict[tuple[str, Any], tupl
     for m in state["modules"]:
         importlib.import_module(m)
     program: Program = _compat.graph_loads(state["program"])
+    run = {id(program.graph), *(id(p.gm) for p in program.pieces if p.is_splitting)}  # what every call runs
     for gm in _graphs(program):
-        _compat.recompile_loaded(gm)
+        _compat.recompile_loaded(gm, lazy=id(gm) not in run)
     modes: dict[Any, Any] = {}  # one fake mode per static binding, shared by the pieces (as Concretize does)
     keys: dict[tuple[str, Any], tuple[str | None, bool]] = {}
     pieces = []

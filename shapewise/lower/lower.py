@@ -26,6 +26,7 @@ import torch.fx
 
 from shapewise import _compat
 from shapewise.errors import CompileError, ConfigError
+from shapewise.ir.effects import restore_values
 from shapewise.ir.keys import binding_key, graph_key
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta, Variant
 from shapewise.ir.runner import LAYOUTS_ATTR
@@ -185,6 +186,7 @@ class CompileSession:
                               f"Inductor, but Lower's backend is {lower.backend_name!r}: use backend='inductor'")
 
         def compile_it() -> Callable[..., Any]:
+            restore_values(piece.gm)  # a loaded graph's inner values, which its save left out
             options = self.options(piece, variant)
             if variant.inductor_passes:
                 options["post_grad_custom_post_pass"] = _compat.post_grad_pass(variant.inductor_passes)
