@@ -374,7 +374,8 @@ def test_a_saved_program_keeps_its_facts_and_its_inner_values_come_back_for_a_co
     from shapewise.ir import effects
 
     model = _WritesThroughAView()
-    fast = sw.compile(model, sizes=[2, 3], ranges=[(5, 16)], backend="aot_eager", progress=False)
+    fast = sw.compile(model, sizes=[2, 3], ranges=[(5, 16)], backend="aot_eager", progress=False,
+                      warm_start=True, cache=str(tmp_path))
     x = torch.randn(3)
     assert_same(fast(x), _WritesThroughAView()(x))
     (runnable,) = fast.runnables
