@@ -422,3 +422,35 @@ def test_a_loaded_graph_made_lazy_generates_its_code_at_its_first_call_each_its_
     assert_same(loaded[0](x), graphs[0](x))
     assert_same(loaded[1](x), graphs[1](x))
     assert all(type(gm).forward is not precompile._forward_on_first_call for gm in loaded)
+
+
+def test_loaded_graphs_map_their_node_arguments_as_torchs_pytree_does():
+    import collections
+
+    from shapewise._compat import precompile
+
+    def f(x, y):
+        a = torch.cat([x, y[1:3, ::2].reshape(2, -1)[:, :4]], dim=0)
+        b = torch.nn.functional.pad(a, (1, 1), value=0.5).to(torch.float64, memory_format=torch.contiguous_format)
+        return {"out": (b.sum(dim=[0]), a.view(torch.Size([-1]))), "n": a.size(0)}
+
+    gm = torch.fx.symbolic_trace(f)
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "view"]
+    node.kwargs = {"unusual": collections.OrderedDict(k=node.args[0])}  # a container pytree knows, we do not
+    node.args = (node.args[0], node.args[1])
+    gm.recompile()
+    seen, mapped = [], precompile._mapped
+
+    def counted(x, mapping, node_type):
+        seen.append(x)
+        return mapped(x, mapping, node_type)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(precompile, "_mapped", counted)
+        (loaded,) = _compat.graph_loads(_compat.graph_dumps([gm], [gm]))
+    assert str(loaded.graph) == str(gm.graph)
+    assert seen, "the direct mapping ran"
+    for a, b in zip(loaded.graph.nodes, gm.graph.nodes):
+        assert type(a.args) is type(b.args) and [type(v) for v in a.args] == [type(v) for v in b.args], a.name
+        assert type(a.kwargs) is type(b.kwargs) and [type(v) for v in a.kwargs.values()] == \
+            [type(v) for v in b.kwargs.values()], a.name
