@@ -324,11 +324,11 @@ class DirectCalls:
     def add_trace(self, index: int, built: DirectCall | str, runnable: Callable[..., Any]) -> Callable[..., Any]:
         """Trace ``index``'s direct call (or why there is none): what Dynamo should call for it,
         the runnable or a recorder of its outputs for the arming call."""
-        del self.infos[index:]
+        self.infos.extend(["waiting for the trace's first call"] * (index - len(self.infos)))  # (warm traces)
+        self.infos[index:index + 1] = [f"off: {built}" if isinstance(built, str) else
+                                       "waiting for a call through Dynamo to arm it"]
         if isinstance(built, str):
-            self.infos.append(f"off: {built}")
             return runnable
-        self.infos.append("waiting for a call through Dynamo to arm it")
         self.pending[index] = built
         local, pending = self._local, self.pending
 

@@ -150,6 +150,11 @@ def before_value(v: Any) -> Any:
     return (_TENSOR, tensor_meta(v)) if isinstance(v, torch.Tensor) else v
 
 
+def tensor_before(meta: tuple) -> tuple:
+    """``before_value`` of a tensor of ``tensor_meta`` ``meta`` (a saved trace's)."""
+    return _TENSOR, meta
+
+
 def seen(t: torch.Tensor) -> tuple:
     """What a tensor's checks need of the tensor the trace saw (not the tensor itself)."""
     return tensor_meta(t), t.is_contiguous()

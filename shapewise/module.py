@@ -23,7 +23,7 @@ from shapewise.ir.program import Program, ShapeInfo
 from shapewise.lower.workers import warm_up
 from shapewise.marks import UnmarkedChanges, held_tensors, int_sources, parse_dynamic_dims, tensors_of
 from shapewise.trace_errors import trace_error
-from shapewise.warm import WarmTraces
+from shapewise.warm import WarmTraces, direct_installer
 
 __all__ = ["NoDynamicSizes", "ShapewiseModule", "compile"]
 
@@ -93,12 +93,13 @@ class ShapewiseModule:
         self._local = threading.local()
         self._unmarked = UnmarkedChanges()  # warns when a dim no mark covers makes Dynamo trace again
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
-        # warm_start (shapewise.warm): traces saved whole and loaded on the next start; then no
-        # direct calls (shapewise.direct: calls past Dynamo's frame once a call has armed them).
+        # warm_start (shapewise.warm): traces saved whole, loaded on the next start (direct calls: at first call).
         self._warm = WarmTraces(model, self._options, dynamic_dims) if warm_start else None
         self._warm_off: str | None = None  # why warm starts went off after a trace torch could not save
         self._direct_call = bool(direct_call)
-        self._directs = DirectCalls(self._direct_call and self._warm is None)
+        self._directs = DirectCalls(self._direct_call)
+        if self._warm is not None and self._direct_call:
+            self._warm.first_call = direct_installer(self)
         # Hooks for who knows the calls (compile_generate): run after every call with (args, kwargs, output)
         # (hand prefill's cache to decode); called with (args, kwargs) for a DispatchMiss's note on why.
         self.after_call: Callable[[tuple, dict, Any], None] | None = None
@@ -251,7 +252,7 @@ class ShapewiseModule:
     def _direct_for(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Runnable) -> Any:
         """What Dynamo calls for this trace: the runnable, or with ``direct_call``, a recorder of its
         outputs until a call arms this trace's direct call (``shapewise.direct``)."""
-        if not self._directs.enabled:
+        if not self._directs.enabled or self._warm is not None:  # (a warm trace's: at its first call)
             return runnable
         off = (f"on_miss={self._on_miss!r} serves sizes past the trace's guards (direct calls need on_miss='error')"
                if self._on_miss != "error" else
@@ -265,8 +266,7 @@ class ShapewiseModule:
     @property
     def direct_info(self) -> str:
         """Whether calls go past Dynamo's frame (``direct_call=True``), per trace, and why not."""
-        return self._directs.info(self._trace_label) if self._warm is None else \
-            "off: warm_start=True (a loaded trace keeps no Dynamo placeholders to generate direct calls from)"
+        return self._directs.info(self._trace_label)
 
     @property
     def direct_calls(self) -> int:

@@ -17,9 +17,12 @@ Anything that goes wrong (no key: an option that is a live object; a file from a
 broken one, a changed model; a program that does not save) is a cold start with a log line saying
 why, never a failed call. ``ShapewiseModule.warm_info`` says what happened.
 
-Limits: direct calls (``direct_call=True``) are off under ``warm_start`` (they are generated from
-Dynamo's placeholders, which a loaded trace does not keep); models given as a module, a
-function or a bound method; the disk cache must be on.
+Direct calls (``direct_call=True``, ``shapewise.direct``) work as after a trace: each trace's is
+built at its first call, from where its inputs come from in a call (the saved program keeps each
+input's Dynamo ``Source``, which that call's arguments resolve) and what the trace sets in Python
+state (saved with it: constants only; a trace that sets an attribute to a tensor, say, has none).
+
+Limits: models given as a module, a function or a bound method; the disk cache must be on.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ __all__ = ["FORMAT", "WarmTraces"]
 
 log = logging.getLogger("shapewise")
 
-FORMAT = "shapewise-warm/1"
+FORMAT = "shapewise-warm/2"
 SECTION = "traces"
 
 
@@ -66,6 +69,12 @@ class WarmTraces:
         self.model = model
         self.traces: list[Any] = []  # _compat.AOTTrace, most recent last
         self.fixed: list[dict[str, int | None]] = []
+        #: Per trace, what it sets in Python state (``_saved_effects``), for its direct call.
+        self.effects: list[Any] = []
+        #: ``(index, trace, effects, args, kwargs)`` before a trace's first call (the module's direct
+        #: calls: ``install_direct``); None: nothing to do.
+        self.first_call: Callable[..., None] | None = None
+        self._called: set[int] = set()
         self.loaded_from: str | None = None
         self.info = "warm start: nothing saved or loaded yet"
         self._tried = False
@@ -117,7 +126,7 @@ class WarmTraces:
                 self.info = "cold start: no saved traces for this model and options yet"
                 return []
             saved = pickle.loads(entry.sections[SECTION])
-            traces = [_compat.load_aot_trace(data, self.model) for data, _ in saved]
+            traces = [_compat.load_aot_trace(data, self.model) for data, _, _ in saved]
             changed = [c for t in traces for c in t.changed_sources()]
             if changed:
                 raise CacheCorrupt(f"the model's code changed since its traces were saved ({', '.join(changed[:4])})")
@@ -128,7 +137,8 @@ class WarmTraces:
             self.cache.remove(self.key)
             return []
         self.traces = traces
-        self.fixed = [dict(fixed) for _, fixed in saved]
+        self.fixed = [dict(fixed) for _, fixed, _ in saved]
+        self.effects = [effects for _, _, effects in saved]
         self.loaded_from = str(path)
         self.info = (f"warm start: {len(traces)} trace(s) loaded from {path} in {time.perf_counter() - t0:.2f} s "
                      "(no Dynamo trace)")
@@ -139,8 +149,11 @@ class WarmTraces:
     def serve(self, args: tuple, kwargs: dict, miss: Any) -> Any:
         """The output of the most recent trace whose guards pass, or ``miss``."""
         full = (*self._self, *args)
-        for t in reversed(self.traces):
+        for i in range(len(self.traces) - 1, -1, -1):
+            t = self.traces[i]
             if t.check(*full, **kwargs):
+                if i not in self._called:
+                    self._first(i, full, kwargs)
                 return t(*full, **kwargs)
         return miss
 
@@ -149,11 +162,20 @@ class WarmTraces:
         fn = self.model
         t = _compat.aot_trace(fn, args, kwargs, backend)
         self.traces.append(t)
-        return t(*self._self, *args, **kwargs)
+        self.effects.append(_saved_effects(_compat.captured_side_effects()))
+        full = (*self._self, *args)
+        self._first(len(self.traces) - 1, full, kwargs)
+        return t(*full, **kwargs)
+
+    def _first(self, i: int, full: tuple, kwargs: dict) -> None:
+        self._called.add(i)
+        if self.first_call is not None:
+            self.first_call(i, self.traces[i], _loaded_effects(self.effects[i]), full, kwargs)
 
     def forget(self, count: int) -> None:
         """Drop the traces past the first ``count`` (a trace the caller refused after it was made)."""
-        del self.traces[count:]
+        del self.traces[count:], self.effects[count:]
+        self._called = {i for i in self._called if i < count}
 
     # -- saving ----------------------------------------------------------------------------
     def save(self, fixed: list[dict[str, int | None]]) -> None:
@@ -163,7 +185,7 @@ class WarmTraces:
             return
         self.fixed = [dict(f) for f in fixed]
         try:
-            data = pickle.dumps([(t.dumps(), f) for t, f in zip(self.traces, self.fixed)])
+            data = pickle.dumps([(t.dumps(), f, e) for t, f, e in zip(self.traces, self.fixed, self.effects)])
             path = self.cache.write(self.key, {SECTION: data}, {"what": "shapewise traces", "traces": len(self.traces)})
         except NotSaved as e:
             self.info = f"warm start: not saved: {e}"
@@ -175,3 +197,86 @@ class WarmTraces:
             return
         self.info = f"warm start: {len(self.traces)} trace(s) saved to {path}" + (
             f" (loaded from it: {self.loaded_from})" if self.loaded_from else "")
+
+
+# -- direct calls of warm traces ---------------------------------------------------------------
+
+_SENTINELS = {"stored tensor": _compat.STORED_TENSOR, "not set": _compat.NOT_SET}
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _saved_effects(effects: Any) -> Any:
+    """``trace_side_effects`` as it saves: ``[(source, attr, new, before), ...]`` (the object set
+    is found again from its source on load; the markers by name), or why it cannot be (a str)."""
+    if effects is None:
+        return "what the trace sets in Python state is not known (torch did not say)"
+    if isinstance(effects, str):
+        return effects
+    from shapewise.direct_checks import tensor_meta
+
+    out, names = [], {id(v): k for k, v in _SENTINELS.items()}
+    for source, attr, new, was, _obj in effects:
+        if isinstance(was, torch.Tensor):
+            was = ("shapewise", "tensor", tensor_meta(was))  # as the direct call checks it: by its metadata
+        elif id(was) in names:
+            was = ("shapewise", names[id(was)])
+        elif type(was) not in _PLAIN:
+            return f"the trace sets {attr!r}, which was a {type(was).__name__} (a constant's or a tensor's " \
+                   "previous value saves)"
+        item = (source, attr, ("shapewise", names[id(new)]) if id(new) in names else new, was)
+        try:
+            pickle.dumps(item)
+        except Exception as e:  # noqa: BLE001 - said in direct_info; the trace still saves
+            return f"what the trace sets in Python state does not save ({type(e).__name__}: {e})"
+        out.append(item)
+    return out
+
+
+def _loaded_effects(saved: Any) -> Any:
+    if isinstance(saved, str):
+        return saved
+
+    from shapewise.direct_checks import tensor_before
+
+    def value(v: Any) -> Any:
+        if type(v) is tuple and len(v) >= 2 and v[0] == "shapewise":
+            return tensor_before(v[2]) if v[1] == "tensor" else _SENTINELS[v[1]]
+        return v
+
+    return [(source, attr, value(new), value(was)) for source, attr, new, was in saved]
+
+
+def direct_installer(compiled: Any) -> Callable[..., None]:
+    """``WarmTraces.first_call`` for a ``ShapewiseModule`` with direct calls: ``install_direct``."""
+    from shapewise.direct import bound_module
+
+    def first_call(index: int, trace: Any, effects: Any, full: tuple, kwargs: dict) -> None:
+        install_direct(compiled._directs, index, trace, effects, compiled.runnables[index], full, kwargs,
+                       bound_module(compiled.model), compiled._source_positional, compiled._var_names,
+                       compiled._signature.parameters)
+
+    return first_call
+
+
+def install_direct(directs: Any, index: int, trace: Any, effects: Any, runnable: Any, full: tuple, kwargs: dict,
+                   module: Any, positional: Any, var_names: Any, keywords: Any) -> None:
+    """Build trace ``index``'s direct call from this, its first call (``shapewise.direct``: what
+    ``build_direct_call`` takes after a trace, with the call's own objects as the example inputs),
+    and have the trace record its outputs for the call that arms it."""
+    from shapewise.direct import build_direct_call
+
+    built: Any = effects if isinstance(effects, str) else None
+    gm = runnable.program.gm
+    sources = [_compat.placeholder_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    if built is None and any(s is None for s in sources):
+        built = "the saved trace does not say where each of its inputs comes from"
+    if built is None:
+        try:
+            examples = trace.source_values(sources, full, kwargs)
+            objects = trace.source_values([e[0] for e in effects], full, kwargs)
+        except LookupError as e:
+            built = f"an input of the trace is not found in the call ({e})"
+        else:
+            side = [(*e, obj) for e, obj in zip(effects, objects)]
+            built = build_direct_call(gm, examples, runnable, module, positional, var_names, keywords, side)
+    trace.call_through(directs.add_trace(index, built, runnable))

@@ -311,8 +311,13 @@ def test_compile_generate_warm_start_gives_eagers_tokens_without_tracing(tmp_pat
         ref = model.generate(ids, max_new_tokens=6, do_sample=False, disable_compile=True)
         fast = sw.compile_generate(model, prompt_sizes=[4, 6], max_length=16, static_cache=True, backend="aot_eager",
                                    cache=str(tmp_path), warm_start=True, progress=False)
-        out = model.generate(ids, max_new_tokens=6, do_sample=False)
-        assert out.tolist() == ref.tolist()
+        for _ in range(2):
+            out = model.generate(ids, max_new_tokens=6, do_sample=False)
+            assert out.tolist() == ref.tolist()
+        # Direct calls as after a trace: each trace's built at its first call, armed by it, then every
+        # call of it past Dynamo's frame (12 calls: each trace's first goes through Dynamo).
+        assert fast.direct_info == "trace 1: on; trace 2 (seq=1): on", fast.direct_info
+        assert fast.direct_calls == 10, fast.direct_calls
         return fast
 
     def keys(fast):
@@ -454,3 +459,25 @@ def test_loaded_graphs_map_their_node_arguments_as_torchs_pytree_does():
         assert type(a.args) is type(b.args) and [type(v) for v in a.args] == [type(v) for v in b.args], a.name
         assert type(a.kwargs) is type(b.kwargs) and [type(v) for v in a.kwargs.values()] == \
             [type(v) for v in b.kwargs.values()], a.name
+
+
+def test_what_a_warm_trace_sets_in_python_state_saves_as_its_direct_call_reads_it():
+    from torch._dynamo.source import AttrSource, LocalSource
+
+    from shapewise import direct_checks, warm
+
+    source = AttrSource(LocalSource("cache"), "layers")
+    cache = torch.zeros(2, 3)
+    effects = [(source, "n", 4, None, object()), (source, "keys", _compat.STORED_TENSOR, cache, object()),
+               (source, "pos", _compat.NOT_SET, _compat.NOT_SET, object())]
+    loaded = warm._loaded_effects(pickle.loads(pickle.dumps(warm._saved_effects(effects))))
+    assert [(s.name() if callable(s.name) else s.name, a) for s, a, _, _ in loaded] == \
+        [("L['cache'].layers", "n"), ("L['cache'].layers", "keys"), ("L['cache'].layers", "pos")]
+    assert loaded[0][2:] == (4, None)
+    assert loaded[1][2] is _compat.STORED_TENSOR and loaded[1][3] == direct_checks.before_value(cache)
+    assert loaded[2][2] is _compat.NOT_SET and loaded[2][3] is _compat.NOT_SET
+    # What does not save says why, and that trace's direct call stays off with it.
+    why = warm._saved_effects([(source, "mod", None, torch.nn.Linear(2, 2), object())])
+    assert isinstance(why, str) and "was a Linear" in why, why
+    assert "not known" in warm._saved_effects(None)
+    assert warm._loaded_effects(why) == why

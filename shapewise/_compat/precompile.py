@@ -14,15 +14,15 @@ import pickle
 import re
 import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from shapewise._compat.dynamo import SOURCE_META
 
-__all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "TraceNotSaved", "aot_trace", "compiles_as_usual",
-           "graph_dumps", "graph_loads", "guard_stand_in", "load_aot_trace", "recompile_loaded"]
+__all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "TraceNotSaved", "aot_trace", "captured_side_effects",
+           "compiles_as_usual", "graph_dumps", "graph_loads", "guard_stand_in", "load_aot_trace", "recompile_loaded"]
 
 try:  # torch >= 2.10
     from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
@@ -251,6 +251,25 @@ class AOTTrace:
         """What the backend returned for this trace."""
         return self._fn._artifacts.compiled_fn
 
+    def call_through(self, fn: Callable[..., Any]) -> None:
+        """Make the trace's bytecode call ``fn`` where it calls what the backend returned (a
+        recorder of its outputs around it); what the trace saves is unchanged."""
+        self._fn.fn.__globals__[self._fn._artifacts.backend_id] = fn
+
+    def source_values(self, sources: Sequence[Any], args: tuple, kwargs: dict) -> list[Any]:
+        """The objects ``sources`` (Dynamo's: ``L['x']``, ``L['self'].layers[0].weight``,
+        ``G['mod'].attr``) name in a call of this trace at ``(args, kwargs)``; a ``LookupError``
+        that says which where one cannot be found."""
+        env = {"L": self._fn.prepare_f_locals(*args, **kwargs), "G": self._fn.fn.__globals__, "__builtins__": {}}
+        out = []
+        for source in sources:
+            name = source.name() if callable(source.name) else source.name  # (a property in torch >= 2.12)
+            try:
+                out.append(eval(name, env))  # noqa: S307 - Dynamo's own spelling of a place in the call
+            except Exception as e:  # noqa: BLE001 - said, and the caller goes on without it
+                raise LookupError(f"{name}: {type(e).__name__}: {e}") from None
+        return out
+
     def dumps(self) -> bytes:
         env = self._fn._artifacts.runtime_env
         data = type(self._fn).serialize(self._fn, _closure_data(env.closure)).serialized_data
@@ -326,9 +345,20 @@ def _keeping_sources(cleanup: Callable[..., Any]) -> Callable[..., Any]:
                 arg = node.meta.get("grapharg") if node.op == "placeholder" else None
                 if arg is not None and getattr(arg, "source", None) is not None:
                     node.meta[SOURCE_META] = arg.source
+            # ... and what the trace sets in Python state, which the backend, called after this
+            # clean-up, can no longer ask Dynamo (``captured_side_effects``).
+            from shapewise._compat.dynamo import trace_side_effects
+
+            _ON.side_effects = trace_side_effects()
         return cleanup(self)
 
     return cleanup_keeping_sources
+
+
+def captured_side_effects() -> Any:
+    """``trace_side_effects`` of the trace ``aot_trace`` is making in this thread, as its clean-up
+    saw it (None where it saw none: a trace not made by ``aot_trace``)."""
+    return getattr(_ON, "side_effects", None)
 
 
 @contextlib.contextmanager
@@ -394,6 +424,7 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
             out.append(ok)
         return out
 
+    _ON.side_effects = None
     try:
         with _turned_on("saving"), _builtins_are_external_refs(), placeholder_sources_kept():
             # dynamic=False: only the marked dims are dynamic (no automatic dynamic on a second

@@ -63,6 +63,24 @@ def _graphs(program: Program) -> list[Any]:
     return [g for g in gms if g is not None]
 
 
+def _placeholders(gm: Any) -> list[Any]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"] if gm is not None else []
+
+
+def _sources(gm: Any) -> list[Any]:
+    """Per input of the trace's graph, Dynamo's ``Source`` of it (``L['self'].lm_head.weight``) where
+    it pickles, else None: a warm start builds its direct calls from them (``shapewise.warm``)."""
+    out = []
+    for node in _placeholders(gm):
+        source = _compat.placeholder_source(node)
+        try:
+            pickle.dumps(source)
+        except Exception:  # noqa: BLE001 - a source that does not save: that trace has no direct call
+            source = None
+        out.append(source)
+    return out
+
+
 def program_bytes(runnable: Any) -> bytes:
     """A ``Runnable``'s program as bytes (``NotSaved`` where it cannot be)."""
     program = runnable.program
@@ -88,7 +106,8 @@ def program_bytes(runnable: Any) -> bytes:
             variants.append(dataclasses.replace(v, compiled=None, example_args=(), artifact_key=None))
         pieces.append(dataclasses.replace(piece, variants=tuple(variants), call=None))
     stripped = program.replace(pieces=tuple(pieces))
-    state = {"format": FORMAT, "modules": _modules(program), "layouts": layouts, "keys": keys}
+    state = {"format": FORMAT, "modules": _modules(program), "layouts": layouts, "keys": keys,
+             "sources": _sources(program.gm)}
     try:
         # Under the compile lock: the graphs lend their inner values out while they pickle, and a
         # background compile of one of them must not run meanwhile.
@@ -110,6 +129,9 @@ def program_from_bytes(data: bytes) -> tuple[Program, dict[tuple[str, Any], tupl
     run = {id(program.graph), *(id(p.gm) for p in program.pieces if p.is_splitting)}  # what every call runs
     for gm in _graphs(program):
         _compat.recompile_loaded(gm, lazy=id(gm) not in run)
+    for node, source in zip(_placeholders(program.gm), state.get("sources", ())):
+        if source is not None:  # where each input comes from in a call: what a direct call reads
+            node.meta[_compat.SOURCE_META] = source
     modes: dict[Any, Any] = {}  # one fake mode per static binding, shared by the pieces (as Concretize does)
     keys: dict[tuple[str, Any], tuple[str | None, bool]] = {}
     pieces = []
