@@ -254,14 +254,16 @@ class ShapewiseModule:
         outputs until a call arms this trace's direct call (``shapewise.direct``)."""
         if not self._directs.enabled or self._warm is not None:  # (a warm trace's: at its first call)
             return runnable
-        off = (f"on_miss={self._on_miss!r} serves sizes past the trace's guards (direct calls need on_miss='error')"
-               if self._on_miss != "error" else
-               f"compile={self._options.get('compile')!r} (direct calls need 'eager_all')"
-               if self._watch is not None else None)
-        built = off or build_direct_call(gm, example_inputs, runnable, bound_module(self.model),
+        built = self._direct_off() or build_direct_call(gm, example_inputs, runnable, bound_module(self.model),
                                          self._source_positional, self._var_names, self._signature.parameters,
                                          _compat.trace_side_effects())
         return self._directs.add_trace(len(self.runnables) - 1, built, runnable)
+
+    def _direct_off(self) -> str | None:
+        """Why no direct call can serve this module's calls (None: one can)."""
+        if self._on_miss != "error":
+            return f"on_miss={self._on_miss!r} serves sizes past the trace's guards (direct calls need on_miss='error')"
+        return f"compile={self._options.get('compile')!r} (direct calls need 'eager_all')" if self._watch else None
 
     @property
     def direct_info(self) -> str:
@@ -334,12 +336,11 @@ class ShapewiseModule:
                 "for the sizes its own guards allow): " + "; ".join(parts))
 
     def _first_call(self, args: tuple, kwargs: dict, retrace: bool = False) -> Any:
-        """Trace (the first call, or a re-trace after a guard failed) with the dynamic dims of
-        this call's tensors marked and sizes 0/1 not specialised, except where no trace symbolic
-        in them can serve this call: a size 0/1 every earlier trace refuses, or a trace Dynamo
-        cannot make symbolic at this call (the model's Python branches on a size 0/1, or
-        specialises this size outright): then its sizes 0/1, then all its sizes, are fixed, as
-        Dynamo would fix them alone; that trace serves those sizes. The marks come off after."""
+        """Trace (the first call, or a re-trace after a guard failed) with the dynamic dims of this call's tensors
+        marked and sizes 0/1 not specialised, except where no trace symbolic in them can serve this call: a size
+        0/1 every earlier trace refuses, or a trace Dynamo cannot make symbolic at this call (the model's Python
+        branches on a size 0/1, or specialises this size outright): then its sizes 0/1, then all its sizes, are
+        fixed, as Dynamo would fix them alone; that trace serves those sizes. The marks come off after."""
         with self._lock, _compat.marks_taken_off():
             if self.runnables and not retrace:
                 out = self._compiled(*args, **kwargs) if self._warm is None else self._warm.serve(args, kwargs, MISS)
@@ -426,17 +427,16 @@ class ShapewiseModule:
 
     def _load_warm(self) -> None:
         """The saved traces (``warm_start``), once: their runnables served as if traced here."""
-        for runnable, fixed in self._warm.load():
-            self.runnables.append(runnable)
-            self.trace_fixed.append(fixed)
-            self._watch = runnable.runtime.watch or self._watch
+        with self._lock:  # (a concurrent first call waits for them, and serves or traces after)
+            for runnable, fixed in self._warm.load():
+                self.runnables.append(runnable)
+                self.trace_fixed.append(fixed)
+                self._watch = runnable.runtime.watch or self._watch
 
     @property
     def warm_info(self) -> str:
         """With ``warm_start=True``: whether this start loaded its traces, or why not, and where they were saved."""
-        if self._warm is not None:
-            return self._warm.info
-        return self._warm_off or "warm start off (warm_start=False)"
+        return self._warm.info if self._warm is not None else self._warm_off or "warm start off (warm_start=False)"
 
     # -- inspection ----------------------------------------------------------------------
     @property

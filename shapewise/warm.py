@@ -31,6 +31,7 @@ import hashlib
 import inspect
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -75,6 +76,7 @@ class WarmTraces:
         #: calls: ``install_direct``); None: nothing to do.
         self.first_call: Callable[..., None] | None = None
         self._called: set[int] = set()
+        self._lock = threading.Lock()
         self.loaded_from: str | None = None
         self.info = "warm start: nothing saved or loaded yet"
         self._tried = False
@@ -153,7 +155,9 @@ class WarmTraces:
             t = self.traces[i]
             if t.check(*full, **kwargs):
                 if i not in self._called:
-                    self._first(i, full, kwargs)
+                    with self._lock:  # (two first calls at once: one builds its direct call)
+                        if i not in self._called:
+                            self._first(i, full, kwargs)
                 return t(*full, **kwargs)
         return miss
 
@@ -251,8 +255,10 @@ def direct_installer(compiled: Any) -> Callable[..., None]:
     from shapewise.direct import bound_module
 
     def first_call(index: int, trace: Any, effects: Any, full: tuple, kwargs: dict) -> None:
-        install_direct(compiled._directs, index, trace, effects, compiled.runnables[index], full, kwargs,
-                       bound_module(compiled.model), compiled._source_positional, compiled._var_names,
+        # The trace's own runnable (what its bytecode calls), and what keeps any direct call off
+        # (on_miss past the guards, lazy compiles), as after a trace.
+        install_direct(compiled._directs, index, trace, compiled._direct_off() or effects, trace.compiled, full,
+                       kwargs, bound_module(compiled.model), compiled._source_positional, compiled._var_names,
                        compiled._signature.parameters)
 
     return first_call

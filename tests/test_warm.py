@@ -468,11 +468,14 @@ def test_what_a_warm_trace_sets_in_python_state_saves_as_its_direct_call_reads_i
 
     source = AttrSource(LocalSource("cache"), "layers")
     cache = torch.zeros(2, 3)
+    n = sympy.Symbol("s0", integer=True, positive=True)
     effects = [(source, "n", 4, None, object()), (source, "keys", _compat.STORED_TENSOR, cache, object()),
-               (source, "pos", _compat.NOT_SET, _compat.NOT_SET, object())]
+               (source, "pos", _compat.NOT_SET, _compat.NOT_SET, object()),
+               (source, "length", _compat.StoredSize(n + 1), 3, object())]
     loaded = warm._loaded_effects(pickle.loads(pickle.dumps(warm._saved_effects(effects))))
     assert [(s.name() if callable(s.name) else s.name, a) for s, a, _, _ in loaded] == \
-        [("L['cache'].layers", "n"), ("L['cache'].layers", "keys"), ("L['cache'].layers", "pos")]
+        [("L['cache'].layers", a) for a in ("n", "keys", "pos", "length")]
+    assert type(loaded[3][2]) is _compat.StoredSize and loaded[3][2].expr == n + 1 and loaded[3][3] == 3
     assert loaded[0][2:] == (4, None)
     assert loaded[1][2] is _compat.STORED_TENSOR and loaded[1][3] == direct_checks.before_value(cache)
     assert loaded[2][2] is _compat.NOT_SET and loaded[2][3] is _compat.NOT_SET
@@ -481,3 +484,70 @@ def test_what_a_warm_trace_sets_in_python_state_saves_as_its_direct_call_reads_i
     assert isinstance(why, str) and "was a Linear" in why, why
     assert "not known" in warm._saved_effects(None)
     assert warm._loaded_effects(why) == why
+
+
+class _Branches(torch.nn.Module):
+    def forward(self, x):
+        return x * 2 if x.shape[0] > 4 else x * 3  # a guard on the size: on_miss='eager' serves past it
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_a_warm_trace_keeps_direct_calls_off_where_a_traced_one_does(tmp_path, start):
+    if start == "warm":  # a first start saves the trace; the second loads it
+        sw.compile(_Branches(), sizes=[8, 16], on_miss="eager", direct_call=True, warm_start=True,
+                   backend="aot_eager", cache=str(tmp_path), progress=False)(torch.ones(8))
+    fast = sw.compile(_Branches(), sizes=[8, 16], on_miss="eager", direct_call=True, warm_start=True,
+                      backend="aot_eager", cache=str(tmp_path), progress=False)
+    for n in (8, 8, 16, 2, 2):
+        x = torch.randn(n)
+        assert_same(fast(x), _Branches()(x), f"n={n}")
+    assert fast.direct_calls == 0 and "on_miss='eager'" in fast.direct_info, fast.direct_info
+    assert ("loaded" in fast.warm_info) == (start == "warm"), fast.warm_info
+
+
+def test_values_left_out_keep_the_facts_while_the_values_are_out_and_restore_keeps_the_inputs_own():
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from shapewise.ir import effects
+
+    def writes(cache, x):
+        cache[:, :2].copy_(x)
+        return cache.sum(0) + x.sum()
+
+    gm = torch.fx.symbolic_trace(writes)
+    FakeTensorProp(gm).propagate(torch.zeros(4, 8), torch.randn(4, 2))
+    want = effects.mutated_inputs(gm)
+    assert want == {0}  # the cache, written through a view
+    with effects.values_left_out([gm, gm]):  # (a graph listed twice is thinned once, its facts from its values)
+        assert effects.mutated_inputs(gm) == want
+        assert all(_compat.node_value(n) is None for n in gm.graph.nodes if n not in effects._kept(gm))
+    assert effects.saved_facts(gm) is None and all(_compat.node_value(n) is not None for n in gm.graph.nodes
+                                                   if n.op != "output")
+
+
+def test_a_loaded_graph_whose_values_cannot_be_made_again_compiles_without_and_keeps_its_inputs(monkeypatch, caplog):
+    from torch.fx.passes import fake_tensor_prop
+
+    from shapewise.ir import effects
+
+    def f(x, y):
+        return (x @ y).relu() + 1
+
+    gm = torch.fx.symbolic_trace(f)
+    fake_tensor_prop.FakeTensorProp(gm).propagate(torch.randn(2, 3), torch.randn(3, 4))
+    with effects.values_left_out([gm]):
+        (loaded,) = _compat.graph_loads(_compat.graph_dumps([gm], [gm]))
+    inputs = {n.name: _compat.node_value(n) for n in loaded.graph.nodes if n.op == "placeholder"}
+    good = _compat.graph_loads(_compat.graph_dumps([loaded], [loaded]))[0]
+    own = {n.name: _compat.node_value(n) for n in good.graph.nodes if n.op == "placeholder"}
+    assert effects.restore_values(good)  # made again; the inputs' own values kept (not detached copies)
+    assert all(_compat.node_value(n) is not None for n in good.graph.nodes if n.op != "output")
+    assert all(_compat.node_value(n) is own[n.name] for n in good.graph.nodes if n.op == "placeholder")
+
+    def broken(self, *args):
+        raise RuntimeError("no meta kernel")
+
+    monkeypatch.setattr(fake_tensor_prop.FakeTensorProp, "propagate_dont_convert_inputs", broken)
+    assert not effects.restore_values(loaded) and not effects.restore_values(loaded)  # tried once, said once
+    assert "cannot be made again" in caplog.text and caplog.text.count("cannot be made again") == 1
+    assert {n.name: _compat.node_value(n) for n in loaded.graph.nodes if n.op == "placeholder"} == inputs

@@ -197,6 +197,9 @@ class StoredSize(tuple):
     def __new__(cls, expr: Any) -> StoredSize:
         return super().__new__(cls, (expr,))
 
+    def __getnewargs__(self) -> tuple[Any]:  # pickles as it was made (a warm trace saves it)
+        return (self[0],)
+
     @property
     def expr(self) -> Any:
         return self[0]

@@ -167,12 +167,14 @@ def values_left_out(gms: Iterable[torch.fx.GraphModule]) -> Iterator[None]:
                 continue
             facts = {"mutated_inputs": mutated_inputs(gm), "aliased_outputs": aliased_outputs(gm),
                      "inputs_aliased_by_outputs": inputs_aliased_by_outputs(gm), "values": "left out"}
+            # The facts first: a reader meanwhile (a lean call being made outside the compile lock)
+            # finds them, never a graph with neither facts nor values.
+            undo.append((out.meta, SAVED_FACTS, out.meta.get(SAVED_FACTS, absent)))
+            out.meta[SAVED_FACTS] = facts
             kept = _kept(gm)
             for node in gm.graph.nodes:
                 if node not in kept:
                     undo.extend((node.meta, k, node.meta.pop(k)) for k in _VALUE_KEYS if k in node.meta)
-            undo.append((out.meta, SAVED_FACTS, out.meta.get(SAVED_FACTS, absent)))
-            out.meta[SAVED_FACTS] = facts
         yield
     finally:
         for meta, k, v in reversed(undo):
@@ -196,15 +198,23 @@ def restore_values(gm: torch.fx.GraphModule) -> bool:
     if mode is None or any(a is None for a in args):
         log.debug("shapewise: the saved graph's values cannot be made again (an input without one)")
         return False
+    kept = {node: {k: node.meta[k] for k in _VALUE_KEYS if k in node.meta} for node in _kept(gm)}
     try:
         with torch.no_grad() if not any(getattr(a, "requires_grad", False) for a in args) else \
                 contextlib.nullcontext():
             FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+        ok = True
     except Exception as e:  # noqa: BLE001 - the compile goes on from the inputs' values alone
-        log.debug("shapewise: the saved graph's values cannot be made again: %s: %s", type(e).__name__, e)
-        return False
+        log.warning("shapewise: a loaded graph's inner values cannot be made again (%s: %s); compiling without",
+                    type(e).__name__, e)
+        ok = False
     for node in gm.graph.nodes:
-        if "val" in node.meta:
+        if node in kept:  # as saved (the propagation leaves detached copies: requires_grad lost)
+            node.meta.update(kept[node])
+        elif not ok:
+            for k in _VALUE_KEYS:
+                node.meta.pop(k, None)
+        if ok and "val" in node.meta:
             node.meta.setdefault("example_value", node.meta["val"])
-    facts["values"] = "restored"
-    return True
+    facts["values"] = "restored" if ok else "not restored"  # (tried once)
+    return ok
