@@ -182,6 +182,7 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
                 bad += _wrong_prompts(model, prompts, expected, run)
                 row["warm_info"] = again.warm_info
                 row["warm_loaded"] = again.warm_info.startswith("warm start:") and "loaded from" in again.warm_info
+                row["warm_direct"], row["warm_direct_calls"] = again.direct_info, again.direct_calls
             row["generate"] = "wrong" if bad else "ok"
             if os.environ.get("SWEEP_GROUPED_DECODE") == "1":  # attentions the pass rewrote, over every variant
                 row["grouped_decode_rewrites"] = sum(

@@ -13,7 +13,8 @@ With ``--warm``: per repeat, four children in two cache folders (shapewise's and
 between the two children of a folder, as a user's second start has them): cold then warm without
 ``warm_start`` (the warm start loads the pieces' artifacts, Dynamo still traces), and cold then warm
 with ``warm_start=True`` (the warm start loads the whole program: no Dynamo trace). Writes
-``warm_generate.json``; ``--profile`` adds a cProfile of each warm start's first ``generate()``
+``warm_generate.json`` (each row also has the steady decode: ``generate()`` of 32 tokens, ms a token,
+and whether its calls were direct); ``--profile`` adds a cProfile of each warm start's first ``generate()``
 (``warm_profile_whole.txt``, ``warm_profile_pieces.txt``).
 
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
@@ -89,6 +90,16 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
         stats.sort_stats("cumulative").print_stats(60)
         stats.sort_stats("tottime").print_stats(40)
         Path(profile).write_text(text.getvalue())
+    # Then the steady decode: generate() of 32 new tokens, three times (median), per token, and whether
+    # its calls went past Dynamo's frame (direct calls: on a warm start too, since this session).
+    per_token = []
+    with torch.no_grad():
+        for _ in range(3):
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+            if not cpu_layers:
+                torch.cuda.synchronize()
+            per_token.append((time.perf_counter() - t) / 32)
     rows = list(fast.report())
     sources: dict[str, int] = {}
     for r in rows:
@@ -96,7 +107,9 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     return {"workers": workers, "first_generate_s": round(first_s, 2), "setup_s": round(setup_s, 2),
             "variant_seconds": round(sum(r["seconds"] for r in rows), 2), "sources": sources,
             f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
-            "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info}
+            "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
+            "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3), "direct_info": fast.direct_info,
+            "direct_calls": fast.direct_calls}
 
 
 def main() -> None:
