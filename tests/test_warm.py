@@ -551,3 +551,39 @@ def test_a_loaded_graph_whose_values_cannot_be_made_again_compiles_without_and_k
     assert not effects.restore_values(loaded) and not effects.restore_values(loaded)  # tried once, said once
     assert "cannot be made again" in caplog.text and caplog.text.count("cannot be made again") == 1
     assert {n.name: _compat.node_value(n) for n in loaded.graph.nodes if n.op == "placeholder"} == inputs
+
+
+@pytest.mark.gpu
+def test_warm_started_generate_in_full_cuda_graphs_goes_direct_with_the_cache_in_place(tmp_path):
+    """On a GPU: the second start loads both traces, builds their direct calls at their first calls, and
+    decodes past Dynamo's frame into CUDA-graph replays that use the static cache where it is, with eager's
+    tokens (the warm start's host path as a cold start's)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg._attn_implementation = "sdpa"
+    prompt = torch.randint(0, 128, (1, 12), device="cuda")
+
+    def start():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).eval().cuda()
+        want = model.generate(prompt, max_new_tokens=16, do_sample=False, cache_implementation="static",
+                              disable_compile=True)
+        fast = sw.compile_generate(model, prompt_sizes=[12], max_length=64, static_cache=True, cudagraphs="full",
+                                   warm_start=True, cache=str(tmp_path), progress=False)
+        steps = 0
+        for _ in range(2):
+            out = model.generate(prompt, max_new_tokens=16, do_sample=False)
+            assert torch.equal(out, want)
+            steps += out.shape[1] - prompt.shape[1] - 1
+        return fast, steps
+
+    first, _ = start()
+    assert "2 trace(s) saved" in first.warm_info, first.warm_info
+    torch._dynamo.reset()
+    fast, steps = start()
+    assert "2 trace(s) loaded" in fast.warm_info, fast.warm_info
+    assert fast.direct_info == "trace 1: on; trace 2 (seq=1): on", fast.direct_info
+    assert fast.direct_calls >= steps - 1, (fast.direct_calls, steps)
+    pieces = fast.runnables[1].runtime.graphs.pieces
+    assert pieces and not any(p.write_back for p in pieces) and sum(len(p.kept) for p in pieces) >= 4
