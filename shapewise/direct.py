@@ -2,12 +2,12 @@
 the compiled program straight from shapewise, past Dynamo's frame (its guards, and bytecode that
 fetches every parameter again; what that costs is measured in ``benchmarks/results/host_h200/``).
 
-In: one Dynamo trace (its GraphModule and example inputs), the ``Runnable`` compiled from it, and
-the model. Out: a ``DirectCall`` (``build_direct_call``), a function generated for that trace
-that reads the graph's inputs from a call's arguments, checks what Dynamo's guards would, and
-calls the Runnable; or the reason the trace gets none. ``DirectCalls`` keeps one per trace and
-tries them on each call; whatever they refuse goes through Dynamo. The rules that keep answers
-right:
+In: one Dynamo trace (its GraphModule and example inputs; a loaded trace's are its first call's own
+objects, ``shapewise.warm``), the ``Runnable`` compiled from it, and the model. Out: a ``DirectCall``
+(``build_direct_call``), a function generated for that trace that reads the graph's inputs from a
+call's arguments, checks what Dynamo's guards would, and calls the Runnable; or the reason the trace
+gets none. ``DirectCalls`` keeps one per trace and tries them on each call; whatever they refuse goes
+through Dynamo. The rules that keep answers right:
 
 - The call it builds is generated once per trace: the graph's inputs are the call's tensors
   (each read as the trace read it: ``L['x']``, one of its sizes ``L['x'].size()[0]``, or a
@@ -35,7 +35,6 @@ right:
   numbers, strings as constants). A result with anything else (a tensor the program did not
   return, such as an input returned as is; an object that pytree does not take apart) leaves
   direct calls off, with the reason in ``direct_info``.
-
 - Objects on the way to a tensor inside an argument (a KV cache, its list of layers, a layer)
   are checked as Dynamo would guard them (``shapewise.direct_checks``): type, length, keys,
   every attribute they hold, aliasing.
@@ -379,14 +378,15 @@ class DirectCalls:
                 self.infos[index] = f"off: {why}"
                 log.info("shapewise: direct calls of trace %s stay off: %s", label(index), why)
 
-    def info(self, label: Callable[[int], str]) -> str:
+    def info(self, label: Callable[[int], str], traces: int = 0) -> str:
+        infos = self.infos + ["waiting for the trace's first call"] * (traces - len(self.infos))  # (loaded ones)
         if not self.enabled:
             return "off (direct_call=False)"
-        if not self.infos:
+        if not infos:
             return "not traced yet"
-        if len(self.infos) == 1:
-            return self.infos[0]
-        return "; ".join(f"trace {label(i)}: {info}" for i, info in enumerate(self.infos))
+        if len(infos) == 1:
+            return infos[0]
+        return "; ".join(f"trace {label(i)}: {info}" for i, info in enumerate(infos))
 
 
 def _global_state(module: Any) -> tuple:

@@ -268,7 +268,7 @@ class ShapewiseModule:
     @property
     def direct_info(self) -> str:
         """Whether calls go past Dynamo's frame (``direct_call=True``), per trace, and why not."""
-        return self._directs.info(self._trace_label)
+        return self._directs.info(self._trace_label, len(self.runnables))
 
     @property
     def direct_calls(self) -> int:

@@ -587,3 +587,14 @@ def test_warm_started_generate_in_full_cuda_graphs_goes_direct_with_the_cache_in
     assert fast.direct_calls >= steps - 1, (fast.direct_calls, steps)
     pieces = fast.runnables[1].runtime.graphs.pieces
     assert pieces and not any(p.write_back for p in pieces) and sum(len(p.kept) for p in pieces) >= 4
+
+
+def test_direct_info_names_every_loaded_trace_before_its_first_call():
+    from shapewise.direct import DirectCalls
+
+    directs = DirectCalls(True)
+    assert directs.info(str, 0) == "not traced yet"
+    assert directs.info(str, 2) == "trace 0: waiting for the trace's first call; trace 1: waiting for the trace's " \
+                                   "first call"
+    directs.add_trace(1, "a reason", print)  # the second loaded trace called first
+    assert directs.info(str, 2) == "trace 0: waiting for the trace's first call; trace 1: off: a reason"
