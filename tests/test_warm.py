@@ -87,6 +87,19 @@ def test_changed_options_are_a_cold_start(tmp_path):
     assert "saved" in fast.warm_info and "loaded" not in fast.warm_info, fast.warm_info
 
 
+def test_another_torch_build_is_a_cold_start(tmp_path, monkeypatch):
+    model = toy()
+    compiled(model, tmp_path)(torch.randint(0, 64, (2,)))
+    same = compiled(model, tmp_path)
+    check_sizes(same, model, (2,))
+    assert "loaded" in same.warm_info, same.warm_info  # the same build loads what it saved
+    real = _compat.build_fingerprint
+    monkeypatch.setattr(_compat, "build_fingerprint", lambda devices: {**real(devices), "torch": "9.9.9"})
+    fast = compiled(model, tmp_path)
+    check_sizes(fast, model, (2, 5))
+    assert "saved" in fast.warm_info and "loaded" not in fast.warm_info, fast.warm_info
+
+
 def test_a_broken_file_is_a_cold_start_that_replaces_it(tmp_path, caplog):
     model = toy()
     first = compiled(model, tmp_path)
