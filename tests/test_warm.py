@@ -399,6 +399,13 @@ def test_a_saved_program_keeps_its_facts_and_its_inner_values_come_back_for_a_co
     (runnable,) = fast.runnables
     live = runnable.program
     loaded, _ = program_from_bytes(program_bytes(runnable))
+    from shapewise._compat import precompile
+
+    # No code generated at the load for graphs a call does not run: the whole graph, the stitching
+    # graph, the compiled pieces (each once, at its first forward, if ever).
+    for gm in (loaded.gm, loaded.graph, *(p.gm for p in loaded.pieces if not p.is_splitting)):
+        if gm is not None:
+            assert type(gm).forward is precompile._forward_on_first_call
     for was, now in [(live.gm, loaded.gm), *((p.gm, q.gm) for p, q in zip(live.pieces, loaded.pieces))]:
         # What the run time reads is what the live graph says, the write through a view included (the
         # saved view is a plain tensor of its layout: recomputed from it, the write would be lost).

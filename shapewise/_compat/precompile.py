@@ -210,7 +210,9 @@ def recompile_loaded(gm: torch.fx.GraphModule, *, lazy: bool = False) -> None:
             for node in m.graph.nodes:
                 if "val" in node.meta:
                     node.meta.setdefault("example_value", node.meta["val"])
-            if lazy and "forward" not in type(m).__dict__:
+            if "forward" in type(m).__dict__:
+                continue  # done already: a submodule of a graph given before (a stitching graph's piece)
+            if lazy:
                 type(m).forward = _forward_on_first_call  # (its own class: GraphModule makes one per instance)
             else:
                 m.recompile()

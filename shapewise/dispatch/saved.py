@@ -126,8 +126,10 @@ def program_from_bytes(data: bytes) -> tuple[Program, dict[tuple[str, Any], tupl
     for m in state["modules"]:
         importlib.import_module(m)
     program: Program = _compat.graph_loads(state["program"])
-    run = {id(program.graph), *(id(p.gm) for p in program.pieces if p.is_splitting)}  # what every call runs
-    for gm in _graphs(program):
+    # Code now for what calls run (the splitting ops' pieces, eagerly), first; the rest at a first call
+    # (the stitching graph is run from its nodes, the compiled pieces by their artifacts).
+    run = {id(p.gm) for p in program.pieces if p.is_splitting}
+    for gm in sorted(_graphs(program), key=lambda g: id(g) not in run):
         _compat.recompile_loaded(gm, lazy=id(gm) not in run)
     for node, source in zip(_placeholders(program.gm), state.get("sources", ())):
         if source is not None:  # where each input comes from in a call: what a direct call reads
