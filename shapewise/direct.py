@@ -305,10 +305,10 @@ class DirectCall:
 
 
 class DirectCalls:
-    """A compiled module's direct calls: one per trace that has one (``armed``, most recently
-    used first; a new tuple on each change, so a concurrent call sees the old one or the new
-    one), the traces' calls yet to be armed (``pending``), and per trace whether it is on or why
-    not (``infos``)."""
+    """A compiled module's direct calls: one per trace that has one (``armed``, most recently used first;
+    a new tuple on each change, so a concurrent call sees the old one or the new one), the traces' calls
+    yet to be armed (``pending``), and per trace whether it is on or why not (``infos``)."""
+    WAITING = "waiting for the trace's first call"  # a loaded trace's (shapewise.warm), built at that call
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -323,7 +323,7 @@ class DirectCalls:
     def add_trace(self, index: int, built: DirectCall | str, runnable: Callable[..., Any]) -> Callable[..., Any]:
         """Trace ``index``'s direct call (or why there is none): what Dynamo should call for it,
         the runnable or a recorder of its outputs for the arming call."""
-        self.infos.extend(["waiting for the trace's first call"] * (index - len(self.infos)))  # (warm traces)
+        self.infos.extend([self.WAITING] * (index - len(self.infos)))  # (a loaded trace called before an earlier one)
         self.infos[index:index + 1] = [f"off: {built}" if isinstance(built, str) else
                                        "waiting for a call through Dynamo to arm it"]
         if isinstance(built, str):
@@ -379,7 +379,7 @@ class DirectCalls:
                 log.info("shapewise: direct calls of trace %s stay off: %s", label(index), why)
 
     def info(self, label: Callable[[int], str], traces: int = 0) -> str:
-        infos = self.infos + ["waiting for the trace's first call"] * (traces - len(self.infos))  # (loaded ones)
+        infos = self.infos + [self.WAITING] * (traces - len(self.infos))  # (loaded traces not called yet)
         if not self.enabled:
             return "off (direct_call=False)"
         if not infos:

@@ -93,7 +93,6 @@ class ShapewiseModule:
         self._local = threading.local()
         self._unmarked = UnmarkedChanges()  # warns when a dim no mark covers makes Dynamo trace again
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
-        # warm_start (shapewise.warm): traces saved whole, loaded on the next start (direct calls: at first call).
         self._warm = WarmTraces(model, self._options, dynamic_dims) if warm_start else None
         self._warm_off: str | None = None  # why warm starts went off after a trace torch could not save
         self._direct_call = bool(direct_call)
@@ -426,12 +425,13 @@ class ShapewiseModule:
         return out
 
     def _load_warm(self) -> None:
-        """The saved traces (``warm_start``), once: their runnables served as if traced here."""
-        with self._lock:  # (a concurrent first call waits for them, and serves or traces after)
-            for runnable, fixed in self._warm.load():
-                self.runnables.append(runnable)
-                self.trace_fixed.append(fixed)
-                self._watch = runnable.runtime.watch or self._watch
+        """The saved traces (``warm_start``), once, under the lock (a concurrent first call waits for them)."""
+        if not self._warm.tried:  # (every later call: no lock taken)
+            with self._lock:
+                for runnable, fixed in self._warm.load():
+                    self.runnables.append(runnable)
+                    self.trace_fixed.append(fixed)
+                    self._watch = runnable.runtime.watch or self._watch
 
     @property
     def warm_info(self) -> str:

@@ -20,7 +20,8 @@ why, never a failed call. ``ShapewiseModule.warm_info`` says what happened.
 Direct calls (``direct_call=True``, ``shapewise.direct``) work as after a trace: each trace's is
 built at its first call, from where its inputs come from in a call (the saved program keeps each
 input's Dynamo ``Source``, which that call's arguments resolve) and what the trace sets in Python
-state (saved with it: constants only; a trace that sets an attribute to a tensor, say, has none).
+state (saved with it: constants, and a tensor's previous value by its metadata; a trace that sets an
+attribute that held another object has none, and ``direct_info`` says why).
 
 Limits: models given as a module, a function or a bound method; the disk cache must be on.
 """
@@ -79,7 +80,7 @@ class WarmTraces:
         self._lock = threading.Lock()
         self.loaded_from: str | None = None
         self.info = "warm start: nothing saved or loaded yet"
-        self._tried = False
+        self.tried = False  # load() ran (the calls after need no lock to know it)
         # The traced function's own first argument: the module (its forward traced), a bound method's self.
         self.owner = model.__self__ if inspect.ismethod(model) else model
         self._self = (self.owner,) if isinstance(model, torch.nn.Module) or inspect.ismethod(model) else ()
@@ -117,9 +118,9 @@ class WarmTraces:
     # -- loading ---------------------------------------------------------------------------
     def load(self) -> list[tuple[Any, dict[str, int | None]]]:
         """The saved traces' (Runnable, fixed dims), once (later calls: []); [] on a cold start."""
-        if self._tried or not self.enabled:
+        if self.tried or not self.enabled:
             return []
-        self._tried = True
+        self.tried = True
         path = self.cache.path(self.key)
         t0 = time.perf_counter()
         try:
