@@ -1,5 +1,7 @@
 """Decode GEMV on one GPU: cuBLAS (``F.linear``) against ``shapewise::gemv`` (the Triton kernel
-``sw.library.DecodeGemv`` puts in graphs), at 1-16 rows, on the weight shapes of a 7B Llama.
+``sw.library.DecodeGemv`` puts in graphs), at 1-16 rows, on the weight shapes of a 7B Llama
+(``--shapes 1b,8b``: the fused shapes of Llama-3.2-1B and Llama-3.1-8B; ``--all-configs``: every tiling
+timed in the graphs too, to check the tuner's choice).
 
 Per (weight [N, K], rows M): both contenders are checked against a float64 reference on fresh
 random inputs, then timed as CUDA-graph replays of one call per weight copy, over enough copies
@@ -26,9 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hardware import cuda_median_us  # noqa: E402
 
-from shapewise.library.kernels.gemv import gemv_config  # noqa: E402  (also registers shapewise::gemv)
+from shapewise.library.kernels.gemv import _launch, gemv_config, gemv_configs  # noqa: E402  (registers shapewise::gemv)
 
-SHAPES = [(4096, 4096), (4096, 11008), (12288, 4096), (22016, 4096)]  # [N, K]: o, down, qkv, gate_up
+# [N, K] per model: o, down, fused qkv, fused gate_up (issue 28's fused shapes for 1b and 8b)
+SHAPES = {"7b": [(4096, 4096), (4096, 11008), (12288, 4096), (22016, 4096)],
+          "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
+          "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
 
 
 def copy_bandwidth() -> float:
@@ -64,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--shapes", default="7b", help="weight shapes: " + ", ".join(SHAPES) + " (comma-separated)")
+    ap.add_argument("--all-configs", action="store_true",
+                    help="also time every kernel config in the graphs (the best one, against the tuner's choice)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     torch.manual_seed(0)
     gemv = torch.ops.shapewise.gemv.default
-    for n, k in SHAPES:
+    shapes = [shape for name in args.shapes.split(",") for shape in SHAPES[name]]
+    for n, k in shapes:
         copies = max(2, -(-4 * props.L2_cache_size // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(copies)]
         for m in rows:
@@ -98,6 +107,16 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{name}_bw_frac"] = nbytes / (us * 1e-6) / bw
             cfg = gemv_config(xs[0], ws[0])
             row["config"] = str(cfg) if cfg is not None else "F.linear (faster at tuning)"
+            if args.all_configs:
+                timed = {}
+                for c in gemv_configs(n, k, props.multi_processor_count):
+                    try:
+                        timed[str(c)] = time_calls(lambda x, w, c=c: _launch(x, w, None, c), xs, ws, args.repeats)
+                    except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped
+                        print(f"  {c}: {type(e).__name__}: {e}", flush=True)
+                best = min(timed, key=timed.get)
+                row.update(best_in_graph_config=best, best_in_graph_us=timed[best], configs_in_graph_us=timed)
+                print(f"  best config in the graphs: {best} {timed[best]:.2f} us", flush=True)
             results.append(row)
             print(f"[{n}x{k}] M={m:2d}  cuBLAS {row['cublas_us']:7.2f} us ({row['cublas_bw_frac']:.0%})  "
                   f"gemv {row['shapewise_gemv_us']:7.2f} us ({row['shapewise_gemv_bw_frac']:.0%}) "
@@ -109,12 +128,13 @@ def main(argv: list[str] | None = None) -> int:
              f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, {env['date']}. {env['timing']}.",
              f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write). % = bytes moved / time / copy bandwidth.",
              "", "| weight N x K | rows | cuBLAS µs | cuBLAS % | shapewise gemv µs | gemv % | speed-up "
-             "| gemv rel. err | config |", "|---|---|---|---|---|---|---|---|---|"]
+             "| gemv rel. err | config | best config in graphs | its µs |", "|---" * 11 + "|"]
     for r in results:
         lines.append(f"| {r['N']}x{r['K']} | {r['M']} | {r['cublas_us']:.2f} | {r['cublas_bw_frac']:.0%} | "
                      f"{r['shapewise_gemv_us']:.2f} | {r['shapewise_gemv_bw_frac']:.0%} | "
                      f"{r['cublas_us'] / r['shapewise_gemv_us']:.2f}x | {r['shapewise_gemv_err']:.1e} | "
-                     f"{r['config']} |")
+                     f"{r['config']} | {r.get('best_in_graph_config', '-')} | "
+                     f"{r['best_in_graph_us']:.2f} |" if "best_in_graph_us" in r else f"{r['config']} | - | - |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     print(table)
