@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ from shapewise.backend import cudagraphs_options
 from shapewise.dispatch.copies import borrowed_outputs
 from shapewise.errors import ConfigError
 from shapewise.module import ShapewiseModule
+
+log = logging.getLogger("shapewise")
 
 __all__ = ["compile_generate"]
 
@@ -181,9 +184,21 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
     return generate_shapewise
 
 
+def _static_cache_for(model: torch.nn.Module, asked: bool | str) -> bool:
+    """Whether ``compile_generate(static_cache=asked)`` gives ``model`` a static cache (its docstring)."""
+    if asked not in (True, False, "force") or isinstance(asked, int) and not isinstance(asked, bool):
+        raise ConfigError(f"static_cache must be True, False or 'force', got {asked!r}")
+    if asked is True and getattr(type(model), "_can_compile_fullgraph", True) is False:
+        log.warning("shapewise: transformers marks %s as not compilable as one graph with a static cache "
+                    "(_can_compile_fullgraph = False); compile_generate keeps its dynamic cache. "
+                    "static_cache='force' uses the static cache anyway", type(model).__name__)
+        return False
+    return bool(asked)
+
+
 def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = (),
                      prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
-                     static_cache: bool = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
+                     static_cache: bool | str = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
                      batch_updates: bool | None = None, defer_stop: bool | None = None,
                      **options: Any) -> ShapewiseModule:
@@ -196,7 +211,13 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     ``generate()`` use transformers' static cache (``generation_config.cache_implementation``),
     of ``max_length`` positions for every call (``generation_config.max_cache_len``, unless set:
     a decode step attends over all of them, masked, so ask for the length you need); decode is
-    then one static variant. ``direct_call`` (default True): calls past Dynamo's frame
+    then one static variant. A model whose class transformers marks as not compilable as one
+    graph (``_can_compile_fullgraph = False``: BERT-style decoders, whose masks are built for the
+    prompt's length, not the cache's, under a trace) keeps its dynamic cache, with a warning:
+    with a static cache 25 of 41 such architectures failed or gave other tokens, with the dynamic
+    cache 20 of those 25 are right (benchmarks/results/sweep_cpu_static_fallback).
+    ``static_cache="force"`` uses the static cache on those too. ``direct_call`` (default True):
+    calls past Dynamo's frame
     where a trace allows them. ``splitting_ops``: by default the graph is split at SDPA (each
     piece compiles and, with piecewise CUDA graphs, is captured on its own), except under
     ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from
@@ -243,6 +264,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         raise ConfigError("model.forward is compiled already; call compile_generate on the model once")
     if max_length < 2:
         raise ConfigError(f"max_length must be >= 2 (a prompt and one new token), got {max_length}")
+    static_cache = _static_cache_for(model, static_cache)
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
         raise ConfigError(f"compile_generate needs a forward(input_ids, ...) (a transformers generative model); "
@@ -331,6 +353,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         fast.after_call = _settle_cache(cache_arg)
     if cache_arg is not None:
         fast.miss_note = _whole_sequence_note(cache_arg)
+    fast.static_cache = static_cache  # the cache generate() uses: what was asked, or the dynamic one (above)
     model.forward = fast
     # Borrowing needs a static cache: a dynamic cache's tensors are the forward's outputs (a
     # prefill graph's buffers, which a cache returned or passed in would keep past the call).

@@ -351,3 +351,33 @@ def test_generate_borrows_the_graphs_outputs_only_where_it_keeps_none():
     with sw.dispatch.borrowed_outputs():
         assert run()["logits"] is buffer
     assert run()["logits"] is not buffer
+
+
+def _bert_decoder():
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64, is_decoder=True)
+    return transformers.BertLMHeadModel(cfg).eval()
+
+
+def test_a_model_transformers_marks_not_compilable_keeps_its_dynamic_cache(caplog):
+    """BERT's decoder builds its mask for the prompt's length, not a static cache's, under a trace
+    (``_can_compile_fullgraph = False``): static_cache=True keeps the dynamic cache, with a warning,
+    and generate() gives eager's tokens; "force" asks for the static cache anyway."""
+    torch.manual_seed(0)
+    model = _bert_decoder()
+    prompt = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(1))
+    run = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    expected = model.generate(prompt, **run)
+    with caplog.at_level(logging.WARNING, logger="shapewise"):
+        fast = sw.compile_generate(model, prompt_sizes=[8], max_length=32, static_cache=True, backend="aot_eager")
+    assert fast.static_cache is False
+    assert any("_can_compile_fullgraph = False" in r.getMessage() and "static_cache='force'" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert model.generation_config.cache_implementation != "static"
+    assert torch.equal(model.generate(prompt, **run), expected)
+    assert fast.traces == 2
+    forced = sw.compile_generate(_bert_decoder(), prompt_sizes=[8], max_length=32, static_cache="force",
+                                 backend="aot_eager")
+    assert forced.static_cache is True
+    with pytest.raises(sw.ConfigError, match="static_cache must be True, False or 'force', got 'yes'"):
+        sw.compile_generate(_bert_decoder(), prompt_sizes=[8], static_cache="yes")
