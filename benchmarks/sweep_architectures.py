@@ -173,6 +173,8 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
                                        **extra)
             bad = _wrong_prompts(model, prompts, expected, run)
             row["traces"] = fast.traces
+            if "static_cache" in extra:  # what compile_generate chose (a model marked not compilable: dynamic)
+                row["static_cache"] = fast.static_cache
             if warm_dir:
                 row["warm_cold_info"] = fast.warm_info
                 torch._dynamo.reset()
