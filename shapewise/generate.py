@@ -217,8 +217,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     with a static cache 25 of 41 such architectures failed or gave other tokens, with the dynamic
     cache 20 of those 25 are right (benchmarks/results/sweep_cpu_static_fallback).
     ``static_cache="force"`` uses the static cache on those too. ``direct_call`` (default True):
-    calls past Dynamo's frame
-    where a trace allows them. ``splitting_ops``: by default the graph is split at SDPA (each
+    calls past Dynamo's frame where a trace allows them. ``splitting_ops``: by default the graph is split at SDPA (each
     piece compiles and, with piecewise CUDA graphs, is captured on its own), except under
     ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from
     fusing across the attention: there the forward is one piece (on the H200 at Llama-3.2-1B
