@@ -23,6 +23,7 @@ from shapewise.ir.program import Program, ShapeInfo
 from shapewise.lower.workers import warm_up
 from shapewise.marks import UnmarkedChanges, held_tensors, int_sources, parse_dynamic_dims, tensors_of
 from shapewise.trace_errors import trace_error
+from shapewise.trace_limit import TraceLimit
 from shapewise.warm import WarmTraces, direct_installer
 
 __all__ = ["NoDynamicSizes", "ShapewiseModule", "compile"]
@@ -48,11 +49,11 @@ class ShapewiseModule:
     def __init__(self, model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (),
                  splitting_ops: Sequence[Any] = (), dynamic_dims: Mapping[str, Any] | None = None,
                  backend: Any = "inductor", on_miss: str = "error", direct_call: bool = False,
-                 warm_start: bool = False, **pipeline_options: Any) -> None:
+                 warm_start: bool = False, max_traces: Any = "auto", **pipeline_options: Any) -> None:
         unknown = set(pipeline_options) - _PIPELINE_KEYS
         if unknown:
             raise ConfigError(f"unknown option(s) {sorted(unknown)} for shapewise.compile; known: "
-                              f"sizes, ranges, splitting_ops, dynamic_dims, backend, on_miss, direct_call, "
+                              f"sizes, ranges, splitting_ops, dynamic_dims, backend, on_miss, direct_call, max_traces, "
                               f"{', '.join(sorted(_PIPELINE_KEYS - {'sizes', 'ranges', 'splitting_ops', 'backend'}))}")
         if on_miss not in ("error", "dynamic", "eager"):
             raise ConfigError(f"on_miss must be 'error', 'dynamic' or 'eager', got {on_miss!r}")
@@ -66,21 +67,18 @@ class ShapewiseModule:
                             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
         self._var_names = tuple(next((n for n, p in params.items() if p.kind == kind), None)
                                 for kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD))
-        # The names of L['args'][i] in the frame Dynamo traces: a forward wrapped in a decorator
-        # whose wrapper takes (*args, **kwargs) gets the module itself as args[0] (transformers'
-        # forward decorators), so a positional input_ids is args[1].
+        # L['args'][i] in Dynamo's frame: a forward under a (*args, **kwargs) decorator (transformers')
+        # gets the module itself as args[0], so a positional input_ids is args[1].
         self._source_positional = (["self", *self._positional] if self_in_args(model) else self._positional)
-        # Per argument: its marked dims; per object argument: its int attributes traced as sizes
-        # ({"cumulative_length": "pos"}) and the dims of the tensors held at an attribute.
+        # Per argument its marked dims; per object argument its ints traced as sizes, its tensors' dims.
         self._dims, self._int_attrs, self._tensor_attrs = parse_dynamic_dims(dynamic_dims, fn, params)
-        # Sizes and ranges before any trace (a typo should not cost a trace to find out).
-        check_sizes(sizes, ranges, names=self._declared_names())
+        check_sizes(sizes, ranges, names=self._declared_names())  # before any trace: a typo costs no trace
         self._options = dict(sizes=sizes, ranges=ranges, splitting_ops=_op_list(splitting_ops), backend=backend,
                              **pipeline_options)
         build_pipeline(**self._options)  # validates op names, backend, options before any trace
         if backend == "inductor":
             warm_up(self._options)  # Inductor's compile threads; shapewise's compile workers where asked
-        self._on_miss = on_miss
+        self._on_miss, self._traces = on_miss, TraceLimit(max_traces, sizes, ranges)  # (shapewise/trace_limit.py)
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}
         self._object_args: set[str] = set()  # marked through the tensors they hold (a KV cache)
@@ -99,8 +97,7 @@ class ShapewiseModule:
         self._directs = DirectCalls(self._direct_call)
         if self._warm is not None and self._direct_call:
             self._warm.first_call = direct_installer(self)
-        # Hooks for who knows the calls (compile_generate): run after every call with (args, kwargs, output)
-        # (hand prefill's cache to decode); called with (args, kwargs) for a DispatchMiss's note on why.
+        # Hooks (compile_generate): after every call, (args, kwargs, output); a DispatchMiss's note, (args, kwargs).
         self.after_call: Callable[[tuple, dict, Any], None] | None = None
         self.miss_note: Callable[[tuple, dict], str | None] | None = None
 
@@ -117,7 +114,6 @@ class ShapewiseModule:
         """The marked dims of a tensor of ``arg`` held at attribute ``attr`` (None: the argument itself)."""
         return self._tensor_attrs.get(arg, {}).get(attr, self._arg_dims.get(arg, {}))
 
-    # -- tracing -------------------------------------------------------------------------
     def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
         """Mark this call's dynamic dims dynamic, but the ``fixed`` names (Dynamo specialises
         those; a mark from an earlier attempt is taken off); returns each dim name's sizes."""
@@ -307,9 +303,8 @@ class ShapewiseModule:
                             return self._compiled(*args, **kwargs)
                     return self._compiled(*args, **kwargs)
                 except Exception as e:
-                    # A new trace is needed (a size 0/1 the marks did not cover), or Dynamo refuses
-                    # one because other compiled instances of this class used up the recompile
-                    # limit of their shared forward: trace again, with a budget of its own.
+                    # A new trace is needed (a size 0/1 the marks did not cover), or other instances of this class
+                    # used up Dynamo's recompile limit of their shared forward: trace again, on a budget of its own.
                     if not (isinstance(_compat.backend_error_cause(e), _UnmarkedRetrace)
                             or _compat.is_recompile_limit(e)):
                         raise
@@ -345,11 +340,14 @@ class ShapewiseModule:
                 out = self._compiled(*args, **kwargs) if self._warm is None else self._warm.serve(args, kwargs, MISS)
                 if out is not MISS:
                     return out
+            if not self._traces.allows(len(self.runnables)):  # fits no trace, and no more are made: uncompiled
+                if not self._traces.reached:
+                    self._compiled = self._traces.past(getattr(self.model, "__qualname__", "model"), self._compiled)
+                return self.model(*args, **kwargs)
             seen = self._mark(args, kwargs)
             fixed = self._to_fix(seen) if self.runnables else {}
-            # Then, if Dynamo cannot trace this call symbolic in them: its sizes 0/1 fixed, then
-            # every size it has (the model specialises this size, e.g. a view valid only where
-            # T - 1 == 1): a trace for exactly this call, as Dynamo would make alone.
+            # Then, if Dynamo cannot trace this call symbolic in them: its sizes 0/1 fixed, then every size it
+            # has (the model specialises it: a view valid only where T - 1 == 1), as Dynamo would alone.
             single = {name: next(iter(v)) for name, v in seen.items() if len(v) == 1}
             small = {name: v for name, v in single.items() if v in (0, 1)}
             attempts = [fixed]
@@ -438,7 +436,6 @@ class ShapewiseModule:
         """With ``warm_start=True``: whether this start loaded its traces, or why not, and where they were saved."""
         return self._warm.info if self._warm is not None else self._warm_off or "warm start off (warm_start=False)"
 
-    # -- inspection ----------------------------------------------------------------------
     @property
     def __signature__(self) -> inspect.Signature:
         """The model's own signature: ``inspect.signature(fast)`` is ``inspect.signature(model.forward)``.
@@ -495,6 +492,8 @@ def compile(model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (), spl
     ``range_options`` (Inductor config), ``on_compile_error``, ``instruments``;
     ``direct_call=True``: calls past Dynamo's frame after the first trace (``shapewise.direct``:
     its rules, and what it cannot see; ``fast.direct_info`` says whether it is on and why not).
+    ``max_traces`` (default ``"auto"``: 8 + one per size and range; None: no bound): past it, a call
+    that fits no trace runs uncompiled, not traced again (``shapewise.trace_limit``).
     """
     return ShapewiseModule(model, sizes=sizes, ranges=ranges, splitting_ops=splitting_ops, dynamic_dims=dynamic_dims,
                            backend=backend, on_miss=on_miss, **options)

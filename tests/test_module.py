@@ -527,3 +527,55 @@ def test_marks_come_off_a_subclass_inputs_inner_tensors_too():
         sw._compat.mark_dynamic(pair, 0)
         assert marks(pair) and marks(pair.a) and marks(pair.b)
     assert not marks(pair) and not marks(pair.a) and not marks(pair.b)
+
+
+class _CountsCalls(nn.Module):
+    """A model that changes a Python int every call: Dynamo guards on it, so each call fits no earlier trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.step = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        return self.lin(x) * self.step
+
+
+def test_past_max_traces_a_call_that_fits_no_trace_runs_uncompiled_without_a_trace(caplog):
+    model, reference = _CountsCalls(), _CountsCalls()
+    reference.load_state_dict(model.state_dict())
+    fast = sw.compile(model, sizes=[2], backend="aot_eager", max_traces=3)
+    graphs = dynamo_unique_graphs()
+    with caplog.at_level(logging.WARNING, logger="shapewise"):
+        for call in range(7):
+            x = torch.randn(2, 8)
+            assert_same(fast(x), reference(x), f"call {call}")
+    assert fast.traces == 3  # calls 4-7 ran uncompiled
+    assert dynamo_unique_graphs() == graphs + 3  # and Dynamo traced none of them (eager_on_recompile)
+    warnings = [r.getMessage() for r in caplog.records if "max_traces=3" in r.getMessage()]
+    assert len(warnings) == 1 and "run uncompiled from now on" in warnings[0], warnings
+    model.step = reference.step = 1  # a state a trace was made for: that trace serves it still
+    x = torch.randn(2, 8)
+    assert_same(fast(x), reference(x), "a traced state")
+    assert fast.traces == 3 and dynamo_unique_graphs() == graphs + 3
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.5, "many"])
+def test_max_traces_refuses_what_is_not_a_bound(bad):
+    with pytest.raises(sw.ConfigError, match=r"max_traces must be 'auto', None \(no bound\) or an int >= 1"):
+        sw.compile(MLP(), sizes=[2], backend="eager", max_traces=bad)
+
+
+def test_max_traces_auto_allows_eight_traces_beyond_one_per_size_and_range():
+    model, reference = _CountsCalls(), _CountsCalls()
+    reference.load_state_dict(model.state_dict())
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 9)], backend="eager")  # auto: 8 + 3
+    for call in range(13):
+        x = torch.randn(2, 8)
+        assert_same(fast(x), reference(x), f"call {call}")
+    assert fast.traces == 11
+    unbounded = sw.compile(_CountsCalls(), sizes=[2], backend="eager", max_traces=None)
+    for _ in range(12):
+        unbounded(torch.randn(2, 8))
+    assert unbounded.traces == 12
