@@ -15,7 +15,8 @@ and range asked for (a model that fixes its sizes needs a trace for each). ``Non
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ class TraceLimit:
 
     def __init__(self, option: Any, sizes: Sequence[Any] = (), ranges: Sequence[Any] = ()) -> None:
         if option == "auto":
-            self.limit: int | None = AUTO_EXTRA + len(sizes or ()) + len(ranges or ())
+            self.limit: int | None = AUTO_EXTRA + _count(sizes) + _count(ranges)
         elif option is None or isinstance(option, int) and not isinstance(option, bool) and option >= 1:
             self.limit = option
         else:
@@ -57,3 +58,10 @@ class TraceLimit:
                     "can name either); TORCH_LOGS=recompiles shows why each trace was made. A larger max_traces "
                     "(None: no bound) traces on", name, self.limit, self.limit)
         return torch.compiler.set_stance("eager_on_recompile")(compiled)
+
+
+def _count(sizes: Any) -> int:
+    """How many sizes (or ranges) ``sizes`` asks for: its length, or for ``{name: [sizes]}`` their product."""
+    if isinstance(sizes, Mapping):
+        return math.prod(len(v) if isinstance(v, (list, tuple)) else 1 for v in sizes.values())
+    return len(sizes or ())

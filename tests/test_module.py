@@ -575,6 +575,9 @@ def test_max_traces_auto_allows_eight_traces_beyond_one_per_size_and_range():
         x = torch.randn(2, 8)
         assert_same(fast(x), reference(x), f"call {call}")
     assert fast.traces == 11
+    from shapewise.trace_limit import TraceLimit
+
+    assert TraceLimit("auto", {"batch": [1, 2], "seq": [128, 256]}, [(1, 4)]).limit == 8 + 4 + 1  # a product: 4 sizes
     unbounded = sw.compile(_CountsCalls(), sizes=[2], backend="eager", max_traces=None)
     for _ in range(12):
         unbounded(torch.randn(2, 8))
