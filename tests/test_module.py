@@ -14,6 +14,7 @@ from torch import nn
 import shapewise as sw
 from shapewise._compat import dynamo_unique_graphs
 from shapewise.models import ATTENTION_OP, ATTENTION_OUT_OP, MLP, ToyTransformer
+from shapewise.trace_limit import TraceLimit
 from tests.helpers import PerRow, assert_same
 
 
@@ -575,8 +576,6 @@ def test_max_traces_auto_allows_eight_traces_beyond_one_per_size_and_range():
         x = torch.randn(2, 8)
         assert_same(fast(x), reference(x), f"call {call}")
     assert fast.traces == 11
-    from shapewise.trace_limit import TraceLimit
-
     assert TraceLimit("auto", {"batch": [1, 2], "seq": [128, 256]}, [(1, 4)]).limit == 8 + 4 + 1  # a product: 4 sizes
     unbounded = sw.compile(_CountsCalls(), sizes=[2], backend="eager", max_traces=None)
     for _ in range(12):
