@@ -130,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
              "", "| weight N x K | rows | cuBLAS µs | cuBLAS % | shapewise gemv µs | gemv % | speed-up "
              "| gemv rel. err | config | best config in graphs | its µs |", "|---" * 11 + "|"]
     for r in results:
+        best = f"{r['best_in_graph_config']} | {r['best_in_graph_us']:.2f}" if "best_in_graph_us" in r else "- | -"
         lines.append(f"| {r['N']}x{r['K']} | {r['M']} | {r['cublas_us']:.2f} | {r['cublas_bw_frac']:.0%} | "
                      f"{r['shapewise_gemv_us']:.2f} | {r['shapewise_gemv_bw_frac']:.0%} | "
                      f"{r['cublas_us'] / r['shapewise_gemv_us']:.2f}x | {r['shapewise_gemv_err']:.1e} | "
-                     f"{r['config']} | {r.get('best_in_graph_config', '-')} | "
-                     f"{r['best_in_graph_us']:.2f} |" if "best_in_graph_us" in r else f"{r['config']} | - | - |")
+                     f"{r['config']} | {best} |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     print(table)

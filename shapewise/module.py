@@ -342,7 +342,8 @@ class ShapewiseModule:
                     return out
             if not self._traces.allows(len(self.runnables)):  # fits no trace, and no more are made: uncompiled
                 if not self._traces.reached:
-                    self._compiled = self._traces.past(getattr(self.model, "__qualname__", "model"), self._compiled)
+                    self._compiled = self._traces.past(getattr(self.model, "__qualname__", type(self.model).__name__),
+                                                       self._compiled)
                 return self.model(*args, **kwargs)
             seen = self._mark(args, kwargs)
             fixed = self._to_fix(seen) if self.runnables else {}

@@ -2,16 +2,10 @@
 # Device call (one H200), under one deadline (DEADLINE s from the start): bench_decode 1b (compile_generate's
 # defaults, the same on DTensor weights: issue 26's host targets; 91 s on 2026-12-05; CONTENDERS to change)
 # and host_breakdown.py (where a decode step's host time goes, with a cProfile of 200 steps) first, on a
-# quiet machine (right after the GPU suite
-# host times came out 1.8x higher and the GPU step 6% longer: results/h200_20261205), then the whole GPU
-# suite (`make gpu-test`'s selection, 8 xdist workers) with the time left (it took 315 s on 2026-12-05).
+# quiet machine (right after the GPU suite host times came out 1.8x higher and the GPU step 6% longer:
+# results/h200_20261205), then the whole GPU suite (`make gpu-test`'s selection, 8 xdist workers) with the time left (it took 315 s on 2026-12-05).
 # Results under $OUT. Run from the repository root on the device machine: bash benchmarks/device/session_close.sh
-set -u
-export PYTHONPATH=.
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-START=$(date +%s)
-left() { echo $(( ${DEADLINE:-585} - ($(date +%s) - START) )); }
+source benchmarks/device/_setup.sh
 timeout "${BENCH_LIMIT:-150}" python3 benchmarks/bench_decode.py --models 1b \
   --contenders "${CONTENDERS:-sw_full,sw_full_dtensor}" --rounds 3 --generate-repeats 1 --check-layers 0 \
   --out "$OUT" 2>&1 | grep -v "Warn\|warn\|skipping" | tail -10

@@ -4,14 +4,7 @@
 # default; with what time is left, the 1B compile_generate cold start one variant after another against
 # 6 compile workers, then shapewise's decode attention kernel per slice count. Results under $OUT.
 # Run from the repository root on the device machine: bash benchmarks/device/session_final.sh
-set -u
-export PYTHONPATH=.
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-START=$(date +%s)
-left() { echo $(( ${DEADLINE:-585} - ($(date +%s) - START) )); }
-nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpus.txt"
-python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpus.txt"
+source benchmarks/device/_setup.sh
 N=""
 python3 -c "import xdist" 2>/dev/null && N="-n ${WORKERS:-4}"
 timeout "${SUITE_LIMIT:-420}" python3 -m pytest -q -rfE $N -m "(gpu or inductor) and not fuzz" -p no:cacheprovider \

@@ -5,13 +5,8 @@
 # left bench_gemv on the fused weight shapes of the 1B and 8B models at 1, 4 and 16 rows, every kernel
 # config timed in the graphs beside the tuner's choice and cuBLAS. Results under $OUT.
 # Run from the repository root on the device machine: bash benchmarks/device/session_kernels.sh
-set -u
-export PYTHONPATH=.
-OUT=${OUT:-/tmp/out}
+source benchmarks/device/_setup.sh
 mkdir -p "$OUT/llama" "$OUT/gemv"
-START=$(date +%s)
-left() { echo $(( ${DEADLINE:-585} - ($(date +%s) - START) )); }
-nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpus.txt"
 timeout "${LLAMA_LIMIT:-300}" python3 benchmarks/bench_llama.py --out "$OUT/llama" --repeats 3 --tokens 1,8,64 \
   --contenders "reduce-overhead,shapewise static+full cudagraph,shapewise full cudagraph+DecodeGemv" 2>&1 | tail -12
 T=$(left); echo "left for bench_gemv: $T s"

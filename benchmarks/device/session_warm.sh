@@ -3,14 +3,8 @@
 # (2.11), the 1B compile_generate cold and warm starts with and without warm_start (fresh processes),
 # then with what time is left the GPU tests of generate() and CUDA graphs. Results under $OUT.
 # Run from the repository root on the device machine: bash benchmarks/device/session_warm.sh
-set -u
-export PYTHONPATH=.
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-START=$(date +%s)
-left() { echo $(( ${DEADLINE:-540} - ($(date +%s) - START) )); }
-nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$OUT/gpus.txt"
-python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" | tee -a "$OUT/gpus.txt"
+DEADLINE_DEFAULT=540
+source benchmarks/device/_setup.sh
 N=""
 python3 -c "import xdist" 2>/dev/null && N="-n 4"
 timeout ${WARM_TESTS_S:-150} python3 -m pytest -q -rfE $N -p no:cacheprovider tests/test_warm.py >"$OUT/warm_tests.txt" 2>&1
