@@ -74,18 +74,13 @@ def host_us(fn, rewind, busy: bool, device: str, n: int) -> float:
 def graphed_parts(piece, piece_args, rewind, device: str, n: int) -> list[dict]:
     """The graphed piece's per-replay work, each part alone."""
     out = []
-    for name, check in (("fixed", piece._fixed_check), ("kept", piece._kept_check)):
+    for name, check in (("fixed (and kept)", piece._fixed_check), ("kept, with strides", piece._kept_check)):
         if check is not None:
             out.append({"part": f"{name} address check ({len(check.rows)} inputs)",
                         "idle_us": host_us(lambda: check.moved(piece_args), rewind, False, device, n)})
-
-    def copy_in():
-        for i, static in piece.copy_slots:
-            static.copy_(piece_args[i])
-
-    if piece.copy_slots:
+    if piece._copy_in is not None:  # as a replay makes it: one launch for all of them
         out.append({"part": f"copy in ({len(piece.copy_slots)} tensors)",
-                    "idle_us": host_us(copy_in, rewind, False, device, n)})
+                    "idle_us": host_us(lambda: piece._copy_in(piece_args), rewind, False, device, n)})
     out.append({"part": "clone outputs", "idle_us": host_us(lambda: copies_mod.clone_tensors(piece.outputs), rewind,
                                                              False, device, n)})
     return out

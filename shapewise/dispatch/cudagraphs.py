@@ -273,7 +273,7 @@ def build_graphs(program: Program, plan: GraphPlan) -> GraphRuntime:
         callables = program.callables(size.binding)
         if size.whole:
             run: Callable[..., Any] = GraphedPiece(make_runner(program.graph, callables), "forward", size.key, pool,
-                                                   whole)
+                                                   whole, layout_guarded=True)
             pieces.append(run)
         else:
             split_pool = (_compat.PrivatePool(device.index if device.index is not None else torch.cuda.current_device())

@@ -150,7 +150,7 @@ class GraphedPiece:
 
     def __init__(self, fn: Callable[..., Any], name: str, key: tuple, pool: GraphPool,
                  buffers: Sequence[StaticBuffer | None], group: SizeGraphs | None = None,
-                 adoptable: frozenset[int] = frozenset()) -> None:
+                 adoptable: frozenset[int] = frozenset(), layout_guarded: bool = False) -> None:
         self.fn = fn
         self.name = name
         self.key = key
@@ -158,6 +158,11 @@ class GraphedPiece:
         self.buffers = list(buffers)
         self.group = group
         self.adoptable = adoptable  # inputs a splitting op of the group makes: read where they are
+        # Its inputs are the program's own (a whole-forward graph), whose layouts Dynamo's guards (or
+        # a direct call's checks) fix at each size: a kept input's strides need no check per replay
+        # (Inductor's CUDA graph trees check only static inputs' addresses too), and its address is
+        # checked in the parameters' pass.
+        self.layout_guarded = layout_guarded
         if group is not None:
             group.pieces.append(self)
         layouts = getattr(fn, LAYOUTS_ATTR, None)
@@ -175,9 +180,10 @@ class GraphedPiece:
         # KV cache the model keeps, a persistent buffer), marked or not: (input, address, strides).
         self.kept: list[tuple[int, int, tuple[int, ...]]] = []
         self._copy_in: CopyIn | None = None  # copy_slots, in one launch
-        self._fixed_check: AddressCheck | None = None  # fixed_slots and kept, checked in one pass each
+        self._fixed_check: AddressCheck | None = None  # fixed_slots (and kept, layout_guarded), in one pass
         self._inner_check: InnerAddressCheck | None = None  # fixed_inner, in one pass per set of names
-        self._kept_check: AddressCheck | None = None
+        self._kept_check: AddressCheck | None = None  # kept, with strides (not layout_guarded)
+        self._kept_at: frozenset[int] = frozenset()  # the kept inputs
         self.warm_at: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}  # the warm-up's tensors (_seen)
         self.moved_inputs: set[int] = set()  # inputs that moved soon after a capture: copied in from then on
         self.replays = 0  # since the last capture
@@ -197,7 +203,7 @@ class GraphedPiece:
                 return self.fn(*args)
             return self._capture(args) if self.warmed else self._warm_up(args)
         if self._fixed_check is not None and (i := self._fixed_check.moved(args)) is not None:
-            return self._fallback(args, i)
+            return self._kept_moved(args, i) if i in self._kept_at else self._fallback(args, i)
         if self._inner_check is not None and (i := self._inner_check.moved(args)) is not None:
             return self._fallback(args, i)  # (by attribute: __tensor_flatten__ per call costs ~1.4 µs)
         for i, ptr, stride in self.adopted:
@@ -311,9 +317,11 @@ class GraphedPiece:
             self.fixed_slots, self.fixed_inner, self.copy_slots = fixed, inner, copies
             self.write_back, self.adopted, self.kept = write_back, adopted, kept
             self._copy_in = CopyIn(copies) if copies else None
-            self._fixed_check = AddressCheck(fixed) if fixed else None
+            checked = fixed + [(i, at) for i, at, _ in kept] if self.layout_guarded else fixed
+            self._fixed_check = AddressCheck(checked) if checked else None
             self._inner_check = InnerAddressCheck(inner) if inner else None
-            self._kept_check = AddressCheck(kept) if kept else None
+            self._kept_check = AddressCheck(kept) if kept and not self.layout_guarded else None
+            self._kept_at = frozenset(i for i, *_ in kept)
             self.outputs = outputs
             self.graph, self.replays = graph, 0
             self.pool.retired.clear()
@@ -331,7 +339,7 @@ class GraphedPiece:
             self.pool.retired.append(self.graph)
         self.graph, self.outputs = None, None
         self.fixed_slots, self.fixed_inner, self.copy_slots, self.write_back, self.adopted = [], [], [], [], []
-        self.kept = []
+        self.kept, self._kept_at = [], frozenset()
         self._fixed_check = self._kept_check = self._inner_check = self._copy_in = None
 
 

@@ -107,7 +107,9 @@ def test_graphs_may_read_in_place_every_attention_output():
     assert [len(fed[name]) for name in after] == [1, 1, 1]
 
 
-def test_an_input_where_it_was_is_used_in_place_a_fresh_one_is_copied_and_a_moved_one_recaptures(events):
+@pytest.mark.parametrize("layout_guarded", [False, True])
+def test_an_input_where_it_was_is_used_in_place_a_fresh_one_is_copied_and_a_moved_one_recaptures(events,
+                                                                                                  layout_guarded):
     # A KV cache the model keeps (unmarked: transformers makes a static cache's tensors inside the
     # trace) is at one address on the warm-up and the capture: read and written there, no copy in or
     # back. The caller's fresh input is copied in. A tensor used in place that moves within a few
@@ -119,7 +121,7 @@ def test_an_input_where_it_was_is_used_in_place_a_fresh_one_is_copied_and_a_move
         kv.add_(x)  # written in place, as a cache update
         return _cuda(kv * 2)
 
-    piece = GraphedPiece(step, "forward", (4,), pool, [None, None])
+    piece = GraphedPiece(step, "forward", (4,), pool, [None, None], layout_guarded=layout_guarded)
     fresh = [_cuda(torch.randn(4)) for _ in range(7)]  # all alive: each at an address of its own
     for x in fresh[:3]:
         piece(x, cache)
@@ -136,13 +138,15 @@ def test_an_input_where_it_was_is_used_in_place_a_fresh_one_is_copied_and_a_move
     assert [i for i, _ in piece.write_back] == [1]  # copied in, so the graph's write goes back to the caller's
 
 
-def test_a_cache_made_anew_per_generate_is_captured_in_place_again(events):
+@pytest.mark.parametrize("layout_guarded", [False, True])
+def test_a_cache_made_anew_per_generate_is_captured_in_place_again(events, layout_guarded):
     # transformers makes a new static cache per generate() call: its tensors move after a whole
     # generation of replays. The graph captures again reading the new cache in place (no copies),
     # and the dropped graph stays alive until the new capture (the allocator refuses a capture
     # into a pool no graph holds).
     pool = GraphPool()
-    piece = GraphedPiece(lambda x, kv: _cuda(kv.add_(x) * 2), "forward", (4,), pool, [None, None])
+    piece = GraphedPiece(lambda x, kv: _cuda(kv.add_(x) * 2), "forward", (4,), pool, [None, None],
+                         layout_guarded=layout_guarded)
     fresh = [_cuda(torch.randn(4)) for _ in range(30)]
     for cache in (_cuda(torch.zeros(4)), _cuda(torch.zeros(4))):  # two generate() calls
         for x in fresh[:14]:
@@ -156,6 +160,35 @@ def test_a_cache_made_anew_per_generate_is_captured_in_place_again(events):
     assert piece.graph is None and pool.retired == [old]
     piece(fresh[1], _cuda(torch.zeros(4)))  # a fresh tensor again: copied, captured; the old graph goes
     assert piece.graph is not None and pool.retired == [] and [i for i, _ in piece.copy_slots] == [0, 1]
+
+
+def test_a_whole_forward_graph_checks_kept_inputs_and_weights_in_one_pass_by_address(events):
+    # A whole-forward graph's inputs are the program's own, laid out as the trace's guards say: a
+    # kept input (a KV cache) is checked by address alone, in the weights' pass. A weight that moved
+    # runs the piece uncaptured (the graph stays); a kept input that moved captures again.
+    pool = GraphPool()
+    weight, cache = torch.nn.Parameter(_cuda(torch.ones(4))), _cuda(torch.zeros(4))
+    piece = GraphedPiece(lambda x, w, kv: _cuda(kv.add_(x * w) * 2), "forward", (4,), pool, [None] * 3,
+                         layout_guarded=True)
+    fresh = [_cuda(torch.randn(4)) for _ in range(20)]
+    for x in fresh[:4]:
+        piece(x, weight, cache)
+    assert [i for i, *_ in piece.kept] == [2] and piece.fixed_slots == [(1, weight.data_ptr())]
+    assert piece._kept_check is None and [r[0] for r in piece._fixed_check.rows] == [1, 2]
+    assert all(len(r) == 2 for r in piece._fixed_check.rows)  # addresses only, no strides
+    events.clear()
+    moved_weight = torch.nn.Parameter(_cuda(torch.ones(4)))
+    out = piece(fresh[4], moved_weight, cache)  # uncaptured, right; the graph is kept
+    assert events == [] and piece.fallbacks == 1 and piece.graph is not None
+    torch.testing.assert_close(out, cache * 2)
+    piece(fresh[5], weight, cache)
+    assert events == ["replay"]
+    events.clear()
+    elsewhere = _cuda(torch.zeros(4))  # a new cache after replays: the next call captures it in place
+    for x in fresh[6:9]:
+        piece(x, weight, elsewhere)
+    assert piece.recaptures == 1 and events == ["capture forward", "replay", "replay"]
+    assert [i for i, *_ in piece.kept] == [2] and piece.fallbacks == 1
 
 
 def test_staged_inputs_copy_only_what_moved_between_the_first_two_calls(events):
