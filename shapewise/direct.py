@@ -205,18 +205,9 @@ class DirectCall:
         replaced = {(p[0], (*p[1], ("attr", a))) for p, a in stored}
         aliases = {id(checks.follow(named, p)): spelled[p] for p in spelled if p[1] and p not in replaced
                    and isinstance(checks.follow(named, p), torch.Tensor)}
-        for place, value in objects.items():
-            # Attributes the forward sets, as they were before the traced call (those the graph also
-            # reads are checked where they are read, dynamic sizes and all).
-            before = {a: v for (p, a), v in stored.items()
-                      if p == place and (p[0], (*p[1], ("attr", a))) not in spelled}
-            walked = {p[1][len(place[1])][1] for p in spelled
-                      if len(p[1]) > len(place[1]) and p[:1] == place[:1] and p[1][:len(place[1])] == place[1]}
-            checks.check_object(reads, env, spelled[place], value, before, walked, aliases)
         # The objects, and the tensors, as distinct as the arming call's (Dynamo guards aliasing).
-        tensors = {p: v for p in spelled
-                   if p not in replaced and isinstance(v := checks.follow(named, p), torch.Tensor)}
-        reads += checks.distinct(objects, spelled) + checks.distinct(tensors, spelled)
+        tensors = [p for p in spelled if p not in replaced and isinstance(checks.follow(named, p), torch.Tensor)]
+        checks.check_objects(reads, env, objects, tensors, spelled, named, stored, aliases)
         held_vars: dict[int, str] = {}  # objects the module or a global holds, taken by identity (as a weight is)
         for k, (place, _attr, _new, _was, held) in enumerate(self.stores):
             if place is None and id(held) not in held_vars:

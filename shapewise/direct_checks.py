@@ -27,8 +27,8 @@ import torch
 from shapewise import _compat
 from shapewise.dispatch.guards import python_expr
 
-__all__ = ["CONSTANT_TYPES", "before_value", "check_object", "check_tensor", "distinct", "merge_checks", "pattern",
-           "seen", "tensor_meta"]
+__all__ = ["CONSTANT_TYPES", "before_value", "check_object", "check_objects", "check_tensor", "dict_served", "distinct",
+           "memo", "merge_checks", "pattern", "seen", "tensor_meta", "versioned"]
 
 CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
@@ -74,27 +74,30 @@ def _attributes(value: Any) -> dict[str, Any]:
 
 
 def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict[str, Any], walked: set[str],
-                 aliases: dict[int, str], depth: int = 0) -> None:
+                 aliases: dict[int, str], depth: int = 0, always: list[str] | None = None) -> None:
     """Append the checks of one object the call reads inside.
 
     ``before``: the attributes the forward sets, with their values before the traced call (or
     ``_compat.NOT_SET``); ``walked``: attributes that lead on to something the graph reads (checked
     where they are read); ``aliases``: id of a tensor the graph reads -> the variable the call
-    reads it into."""
+    reads it into. ``always``: where the checks go that an unchanged ``__dict__`` does not settle
+    (the object's type, class attributes, tensors' metadata, aliases, what hangs off it); the
+    checks of its attributes' values and identities go to ``lines``. None: all to ``lines``."""
+    always = lines if always is None else always
     n = len(env)
     env[f"XT{n}"] = type(value)
-    lines.append(f"if type({var}) is not XT{n}: return MISS")
+    always.append(f"if type({var}) is not XT{n}: return MISS")
     if isinstance(value, (list, tuple)):  # its length, and which of its items are one object
         seq = pattern(value)
         if seq == tuple(range(len(value))):  # all distinct (a cache's layers): one C pass, not a Python loop
-            lines.append(f"if len({var}) != {len(value)} or len(set(map(id, {var}))) != {len(value)}: return MISS")
+            always.append(f"if len({var}) != {len(value)} or len(set(map(id, {var}))) != {len(value)}: return MISS")
         else:
             env[f"XP{n}"] = seq
-            lines.append(f"if len({var}) != {len(value)} or pattern({var}) != XP{n}: return MISS")
+            always.append(f"if len({var}) != {len(value)} or pattern({var}) != XP{n}: return MISS")
         return
     if isinstance(value, dict):
         env[f"XK{n}"] = list(value)
-        lines.append(f"if len({var}) != {len(value)} or list({var}) != XK{n}: return MISS")
+        always.append(f"if len({var}) != {len(value)} or list({var}) != XK{n}: return MISS")
         return
     constants, tensors, others = [], [], []
     for name, v in sorted(_attributes(value).items()):
@@ -115,29 +118,97 @@ def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict
         lines.append(f"if v != XW{n} or tuple(map(type, v)) != XY{n}: return MISS")
     for k, (name, v) in enumerate(tensors):
         if id(v) in aliases:  # the trace read this very tensor elsewhere: Dynamo guards the alias
-            lines.append(f"if {var}.{name} is not {aliases[id(v)]}: return MISS")
+            always.append(f"if {var}.{name} is not {aliases[id(v)]}: return MISS")
         else:
             env[f"XM{n}_{k}"] = tensor_meta(v)
-            lines.append(f"if meta({var}.{name}) != XM{n}_{k}: return MISS")
+            always.append(f"if meta({var}.{name}) != XM{n}_{k}: return MISS")
     for k, (name, v) in enumerate(others):
         env[f"XO{n}_{k}"] = v
         lines.append(f"if {var}.{name} is not XO{n}_{k}: return MISS")
         if depth < 2 and _plain_object(v):  # a config hanging off the cache: what it holds too
-            check_object(lines, env, f"{var}.{name}", v, {}, set(), aliases, depth + 1)
+            check_object(always, env, f"{var}.{name}", v, {}, set(), aliases, depth + 1)
     cls = [(a, getattr(type(value), a)) for a in _class_constants(type(value)) if a not in _attributes(value)]
     if cls:  # class attributes read through the instance (a layer class's is_sliding)
         env[f"XC{n}"] = operator.attrgetter(*(a for a, _ in cls))
         env[f"XZ{n}"] = tuple(v for _, v in cls) if len(cls) > 1 else cls[0][1]
-        lines.append(f"if XC{n}(XT{n}) != XZ{n}: return MISS")
+        always.append(f"if XC{n}(XT{n}) != XZ{n}: return MISS")
     for k, (name, v) in enumerate(sorted(before.items(), key=lambda kv: kv[0])):
         if v is _compat.NOT_SET:
-            lines.append(f"if hasattr({var}, {name!r}): return MISS")
+            always.append(f"if hasattr({var}, {name!r}): return MISS")
         elif isinstance(v, tuple) and v and v[0] is _TENSOR:
             env[f"XB{n}_{k}"] = v[1]
-            lines.append(f"if meta({var}.{name}) != XB{n}_{k}: return MISS")
+            always.append(f"if meta({var}.{name}) != XB{n}_{k}: return MISS")
         else:
             env[f"XB{n}_{k}"] = v
-            lines.append(f"if {var}.{name} != XB{n}_{k} or type({var}.{name}) is not type(XB{n}_{k}): return MISS")
+            always.append(f"if {var}.{name} != XB{n}_{k} or type({var}.{name}) is not type(XB{n}_{k}): return MISS")
+
+
+def check_objects(lines: list[str], env: dict, objects: dict[tuple, Any], tensors: Sequence[tuple],
+                  spelled: dict[tuple, str], named: dict[str, Any], stored: dict[tuple, Any],
+                  aliases: dict[int, str]) -> None:
+    """Append the checks of the objects the call reads inside (``check_object``: place -> object)
+    and that they, and the tensors read (``tensors``: their places), are as distinct as the arming
+    call's. Where no attribute of them is set by the forward, the checks that an unchanged
+    ``__dict__`` settles are made only when a dict changed (``memo``)."""
+    by_dict = [p for p, v in objects.items() if not stored and versioned(v)]
+
+    def settled(place: tuple) -> bool:  # the same object while the dicts of by_dict are unchanged
+        parent = (place[0], place[1][:-1])
+        return place in by_dict or (bool(place[1]) and place[1][-1][0] == "attr" and parent in by_dict
+                                    and dict_served(follow(named, parent), place[1][-1][1]))
+
+    skip: list[str] = []
+    for place, value in objects.items():
+        # Attributes the forward sets, as they were before the traced call (those the graph also
+        # reads are checked where they are read, dynamic sizes and all).
+        before = {a: v for (p, a), v in stored.items() if p == place and (p[0], (*p[1], ("attr", a))) not in spelled}
+        walked = {p[1][len(place[1])][1] for p in spelled
+                  if len(p[1]) > len(place[1]) and p[:1] == place[:1] and p[1][:len(place[1])] == place[1]}
+        check_object(skip if place in by_dict else lines, env, spelled[place], value, before, walked, aliases,
+                     always=lines)
+    apart = distinct({p: follow(named, p) for p in tensors}, spelled)
+    stable = [p for p in tensors if settled(p)]
+    if not stable or any(" is not " in line for line in apart):  # (aliased tensors: checked every call)
+        lines += distinct(objects, spelled) + skip + apart
+        return
+    (skip if all(map(settled, objects)) else lines).extend(distinct(objects, spelled))
+    lines += memo(env, [spelled[p] for p in by_dict], [spelled[p] for p in stable],
+                  [spelled[p] for p in tensors if p not in stable], merge_checks(skip + apart, env))
+
+
+def versioned(value: Any) -> bool:
+    """Whether a dict version of ``value.__dict__`` tells that none of its attributes changed: a
+    plain object (not a container, module, tensor or class) whose attributes all live in its
+    ``__dict__`` (no ``__slots__`` values) and are read by the default ``__getattribute__``."""
+    return (_compat.dict_version is not None and hasattr(value, "__dict__") and type(vars(value)) is dict
+            and not isinstance(value, (type, list, tuple, dict, torch.nn.Module, torch.Tensor))
+            and type(value).__getattribute__ is object.__getattribute__
+            and _attributes(value).keys() == vars(value).keys())
+
+
+def dict_served(obj: Any, key: str) -> bool:
+    """Whether ``obj.key`` is read from ``obj.__dict__`` (no property or other data descriptor)."""
+    return key in vars(obj) and not hasattr(getattr(type(obj), key, None), "__set__")
+
+
+def memo(env: dict, objects: Sequence[str], stable: Sequence[str], fresh: Sequence[str],
+         checks: list[str]) -> list[str]:
+    """``checks`` (of the attributes of the plain objects ``objects``, and that the tensors read
+    are distinct) made only when something changed since the last call that passed them: one of
+    those objects' ``__dict__`` (its dict version; a new object's dict has a version no other had),
+    or a tensor read fresh (``fresh``: an argument itself) that is one of the tensors read from
+    their dicts (``stable``) or another fresh one. A decode step's KV cache and its layers: ~17
+    dict versions, not ~120 attributes and the aliasing of ~50 tensors."""
+    env["MEMO"], env["DV"] = [None], _compat.dict_version
+    versions = f"tuple(map(DV, map(vars, ({', '.join(objects)},))))"
+    miss = ["m is None", f"{versions} != m[0]"]
+    if len(fresh) == 1:
+        miss.append(f"id({fresh[0]}) in m[1]")
+    elif fresh:
+        ids = f"({', '.join(f'id({v})' for v in fresh)},)"
+        miss.append(f"not m[1].isdisjoint(f := {ids}) or len(set(f)) != {len(fresh)}")
+    return ["m = MEMO[0]", f"if {' or '.join(miss)}:", *("    " + line for line in checks),
+            f"    MEMO[0] = ({versions}, frozenset(map(id, ({', '.join(stable)},))))"]
 
 
 #: Marks a tensor's metadata among ``before`` values: ``(_TENSOR, tensor_meta(t))``.

@@ -491,6 +491,71 @@ def test_the_layers_constants_are_checked_at_once_and_each_change_is_refused(cha
         _Layer.window = 4
 
 
+def _compiled_layers():
+    model = _ReadsLayers()
+    fast = sw.compile(model, dynamic_dims={"x": 0}, sizes=[2], direct_call=True, backend="aot_eager",
+                      progress=False)
+    return model, fast
+
+
+def test_unchanged_objects_are_checked_by_their_dict_versions_and_any_change_is_seen(monkeypatch):
+    # Once a call passed every check of the layers' attributes, later calls compare the objects'
+    # dict versions instead (direct_checks.memo): a changed attribute, a layer replaced by an equal
+    # one, a new stack, or an argument that is one of the tensors inside are each seen.
+    if sw._compat.dict_version is None:
+        pytest.skip("no dict versions on this Python and torch")
+    model, fast = _compiled_layers()
+    x, stack = torch.ones(2, 3), _Stack(5)
+    for _ in range(4):
+        assert_same(fast(x, stack), model(x, stack), "as armed")
+    assert fast.direct_calls == 3 and "MEMO[0]" in fast._directs.armed[0].source
+    stack.layers[2].size = 4  # changed after calls served by the dict versions alone
+    assert not _served_directly(fast, lambda: assert_same(fast(x, stack), model(x, stack), "size 4"))
+    stack.layers[2].size = 3  # back as armed: served directly again
+    assert _served_directly(fast, lambda: assert_same(fast(x, stack), model(x, stack), "size 3 again"))
+    stack.layers[1] = _Layer(torch.full((2, 3), 2.0))  # a new layer object with equal attributes
+    assert _served_directly(fast, lambda: assert_same(fast(x, stack), model(x, stack), "new layer"))
+    fresh = _Stack(5)  # a new cache, as each generate() makes
+    for _ in range(2):
+        assert _served_directly(fast, lambda: assert_same(fast(x, fresh), model(x, fresh), "new stack"))
+    inner = fresh.layers[0].keys  # an argument that is a tensor read inside: aliasing the trace did not see
+    assert not _served_directly(fast, lambda: assert_same(fast(inner, fresh), model(inner, fresh), "aliased"))
+    monkeypatch.setattr(sw._compat, "dict_version", None)  # where there are none: every attribute, every call
+    model, fast = _compiled_layers()
+    for _ in range(3):
+        assert_same(fast(x, stack), model(x, stack), "no dict versions")
+    assert fast.direct_calls == 2 and "MEMO" not in fast._directs.armed[0].source
+
+
+class _HeldLayer(_Layer):
+    """A layer whose keys are a property reading a list it holds: they change with no change to
+    the layer's ``__dict__``."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.held, self.size, self.kind, self.tag = [keys], 3, "full", "t"
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.held[0]
+
+
+def test_a_tensor_its_objects_dict_versions_do_not_cover_is_checked_every_call():
+    # Dynamo reads through the property into the list: the tensor there is checked each call,
+    # its aliasing with the arguments too.
+    if sw._compat.dict_version is None:
+        pytest.skip("no dict versions on this Python and torch")
+    model, fast = _compiled_layers()
+    x, stack = torch.ones(2, 3), _Stack(3)
+    stack.layers[1] = _HeldLayer(torch.ones(2, 3))
+    for _ in range(3):
+        assert_same(fast(x, stack), model(x, stack), "as armed")
+    assert fast.direct_calls == 2 and "MEMO[0]" in fast._directs.armed[0].source
+    stack.layers[1].held[0] = torch.full((2, 3), 5.0)
+    assert _served_directly(fast, lambda: assert_same(fast(x, stack), model(x, stack), "new keys"))
+    stack.layers[1].held[0] = x
+    assert not _served_directly(fast, lambda: assert_same(fast(x, stack), model(x, stack), "keys are x"))
+
+
 def test_aliasing_is_checked_as_the_arming_call_had_it():
     class Grows(nn.Module):
         def forward(self, x: torch.Tensor, cache: _Cache) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.fx
 from shapewise._compat.shapes import is_traceable_wrapper_subclass, sym_expr
 
 __all__ = [
-    "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock",
+    "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dict_version",
     "dynamic_int_sources", "dynamo_unique_graphs", "has_static_address", "is_graph_break",
     "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "marks_taken_off", "held_at",
     "member_name",
@@ -457,3 +457,33 @@ def tensor_checks(examples: Sequence[torch.Tensor], sizes: Sequence[Sequence[int
 
     return TensorGuards(*examples, dynamic_dims_sizes=[list(s) for s in sizes],
                         dynamic_dims_strides=[list(s) for s in strides])
+
+
+def _dict_version() -> Any:
+    """Dynamo's ``dict_version(d)``: a number that changes whenever ``d`` changes and that no
+    other dict (alive now or later) has had (CPython's ``ma_version_tag`` before 3.12, a dict
+    watcher's counter from 3.12). None where torch has none or it does not behave so here."""
+    try:
+        from torch._C._dynamo.guards import dict_version as version
+    except ImportError:
+        return None
+
+    class Probe:
+        pass
+
+    try:
+        probe = Probe()
+        probe.x = 1
+        held = vars(probe)
+        was = version(held)
+        probe.x = 2
+        other = vars(Probe())
+        if version(held) == was or version(other) in (was, version(held)):
+            return None
+    except Exception:  # noqa: BLE001 - not a dict version after all
+        return None
+    return version
+
+
+#: ``dict_version`` where it behaves as documented there, else None (direct calls check every attribute).
+dict_version = _dict_version()
