@@ -38,6 +38,9 @@ Contenders (each on its own copy of the weights):
                (the decode step's attention reads the cache's 8 KV heads, not 32 repeated copies of
                them, in ``shapewise::decode_attention``; before fe44f12, SDPA).
   (``sw_full_combo_gqa``, both, is ``sw_full`` from fe44f12.)
+  sw_full_checks_all ``sw_full`` checking everything every call, as before 2026-12-05 (evening): the
+               direct call every attribute of the cache and its layers (no dict versions) and the
+               graph its kept inputs' strides (``checks_all``): the lean host path's baseline.
   sw_full_dtensor ``sw_full`` on DTensor weights: torch.distributed.tensor.parallel's colwise / rowwise
                plan on a mesh of one device (bench_dtensor's world-1 plan, a process group of one:
                NCCL on a GPU, gloo on the CPU), as a tensor-parallel rank holds its weights. Not
@@ -76,6 +79,7 @@ The decode step is the call ``generate()`` makes: its arguments are recorded fro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
@@ -84,6 +88,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +100,35 @@ from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_plain", "sw_full_nofuse", "sw_full_split",
               "sw_full_and_piecewise", "sw_full_gemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor",
-              "sw_full_nobatch", "sw_full_sync", "hf_recipe_deferred")
+              "sw_full_nobatch", "sw_full_sync", "hf_recipe_deferred", "sw_full_checks_all")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
            "tie_word_embeddings": False},
     "tiny": TINY,
 }
+
+
+@contextlib.contextmanager
+def checks_all(name: str) -> Iterator[None]:
+    """For ``sw_full_checks_all``, while its model compiles and captures: direct calls made without
+    dict versions and whole-forward graphs that check their kept inputs' strides (as before)."""
+    if name != "sw_full_checks_all":
+        yield
+        return
+    import shapewise.dispatch.graphed as graphed
+
+    versions, init = sw._compat.dict_version, graphed.GraphedPiece.__init__
+
+    def init_checking_strides(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.layout_guarded = False
+
+    sw._compat.dict_version, graphed.GraphedPiece.__init__ = None, init_checking_strides
+    try:
+        yield
+    finally:
+        sw._compat.dict_version, graphed.GraphedPiece.__init__ = versions, init
 
 
 def make_model(shape: str, device: str, dtype: torch.dtype, layers: int | None = None):
@@ -130,7 +157,7 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
     if name == "sw_full_dtensor":
         on_a_mesh_of_one(model, device)
     graphs = {"sw_full_and_piecewise": {"mode": "full_and_piecewise"}}.get(name, "full")
-    split = {"sw_full": {}, "sw_full_and_piecewise": {}, "sw_full_dtensor": {},
+    split = {"sw_full": {}, "sw_full_and_piecewise": {}, "sw_full_dtensor": {}, "sw_full_checks_all": {},
              "sw_full_plain": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False},
              "sw_full_nofuse": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False,
                                 "fuse_projections": False},
@@ -433,8 +460,9 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
             model = copy.deepcopy(base)
             torch._dynamo.reset()
             t0 = time.perf_counter()
-            fast = prepare(name, model, args.prompt, args.new, device)
-            step = Step(name, model, ids, args.new)
+            with checks_all(name):
+                fast = prepare(name, model, args.prompt, args.new, device)
+                step = Step(name, model, ids, args.new)
             rows[name] = {"contender": name, "first_generate_s": round(time.perf_counter() - t0, 1),
                           **checks.get(name, {})}
             step.rewind()
@@ -443,7 +471,8 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
                     step.call()
             steps[name], models[name] = step, model
             if fast is not None:
-                rows[name].update(traces=fast.traces, direct_info=fast.direct_info)
+                rows[name].update(traces=fast.traces, direct_info=fast.direct_info,
+                                  dict_versions=any("MEMO[0]" in d.source for d in fast._directs.armed))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rows[name] = {"contender": name, "error": f"{type(e).__name__}: {e}"[:300]}

@@ -97,3 +97,57 @@ def _line(fn_def: ast.FunctionDef, at: tuple[int, int | None]) -> int:
     i, j = at
     stmt = fn_def.body[i]
     return stmt.body[j].lineno if j is not None else stmt.lineno
+
+
+def statement_costs(direct: Any, args: tuple, kwargs: dict, rewind: Any, calls: int = 2000,
+                    top: int = 15) -> list[dict]:
+    """The costliest statements of the direct call's checks, each timed alone: its expression (an
+    ``if ...: return MISS``'s condition, an assignment's value) evaluated ``calls`` times in the
+    variables of one real call (taken when it calls ``run``), less an empty expression's time.
+    Statements inside a branch the call did not take (the dict-version memo's checks on a hit) are
+    timed too: their rows say so. ``top`` rows, costliest first."""
+    import sys
+
+    env = dict(direct.fn.__globals__)
+    real, seen = env["run"], {}
+
+    def spy(*a: Any) -> Any:
+        seen["locals"] = dict(sys._getframe(1).f_locals)
+        return real(*a)
+
+    env["run"] = spy
+    scope: dict[str, Any] = {}
+    exec(compile(direct.source, "<direct>", "exec"), scope.update(env) or scope)  # noqa: S102 - its own source
+    rewind()
+    scope["direct"](args, kwargs)
+    if "locals" not in seen:
+        return []
+    ns = {**env, **seen["locals"]}
+    empty = compile("None", "<e>", "eval")
+
+    def median_us(code: Any) -> float:
+        for _ in range(50):
+            eval(code, ns)  # noqa: S307 - the call's own expressions
+        samples = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            eval(code, ns)  # noqa: S307
+            samples.append(time.perf_counter() - t)
+        return 1e6 * statistics.median(samples)
+
+    base = median_us(empty)
+    rows = []
+    for node in ast.walk(ast.parse(direct.source)):
+        expr = node.test if isinstance(node, ast.If) else node.value if isinstance(node, ast.Assign) else None
+        if expr is None:
+            continue
+        text = ast.unparse(expr)
+        if "run(" in text:
+            continue
+        try:
+            us = median_us(compile(ast.Expression(expr), "<stmt>", "eval")) - base
+        except Exception as e:  # noqa: BLE001 - a variable this call did not set (a branch not taken)
+            us, text = float("nan"), f"{text} ({type(e).__name__})"
+        rows.append({"statement": text[:100], "us": round(us, 2)})
+    rows.sort(key=lambda r: -r["us"] if r["us"] == r["us"] else 0)
+    return rows[:top]

@@ -49,7 +49,7 @@ import shapewise.dispatch.copies as copies_mod  # noqa: E402
 import shapewise.dispatch.graphed as graphed_mod  # noqa: E402
 import shapewise.dispatch.runnable as runnable_mod  # noqa: E402
 from benchmarks.bench_decode import Step, make_model  # noqa: E402
-from benchmarks.device.direct_segments import segments  # noqa: E402
+from benchmarks.device.direct_segments import segments, statement_costs  # noqa: E402
 
 
 def host_us(fn, rewind, busy: bool, device: str, n: int) -> float:
@@ -78,6 +78,16 @@ def graphed_parts(piece, piece_args, rewind, device: str, n: int) -> list[dict]:
         if check is not None:
             out.append({"part": f"{name} address check ({len(check.rows)} inputs)",
                         "idle_us": host_us(lambda: check.moved(piece_args), rewind, False, device, n)})
+    class NoReplay:
+        def replay(self) -> None:
+            pass
+
+    graph, piece.graph = piece.graph, NoReplay()
+    try:  # the whole call as a replay makes it, less the replay
+        out.append({"part": "the piece's call, its replay left out",
+                    "idle_us": host_us(lambda: piece(*piece_args), rewind, False, device, n)})
+    finally:
+        piece.graph = graph
     if piece._copy_in is not None:  # as a replay makes it: one launch for all of them
         out.append({"part": f"copy in ({len(piece.copy_slots)} tensors)",
                     "idle_us": host_us(lambda: piece._copy_in(piece_args), rewind, False, device, n)})
@@ -211,6 +221,9 @@ def main() -> None:
             for row in parts:
                 print(row, flush=True)
         segs = segments(direct, (), step.kwargs, back, cuts=16, calls=max(args.calls, 500))
+        costs = statement_costs(direct, (), step.kwargs, back, calls=max(args.calls, 500))
+        for row in costs:
+            print(row)
         for row in segs:
             print(row, flush=True)
         profile = None
@@ -229,7 +242,7 @@ def main() -> None:
             profile = text.getvalue()
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
               "shape": args.shape, "layers": args.layers, "direct_info": fast.direct_info, "rows": rows,
-              "graphed_parts": parts, "direct_segments": segs, "inclusive": warm,
+              "graphed_parts": parts, "direct_segments": segs, "direct_statements": costs, "inclusive": warm,
               "profile": profile}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
