@@ -291,7 +291,9 @@ def build_graphs(program: Program, plan: GraphPlan) -> GraphRuntime:
                                group)
             staged.append(run)
             per_size[size.key] = callables
-        entries[size.key] = copy_out(run) if plan.copy_outputs else run
+        if size.whole:
+            run.copy_outputs = plan.copy_outputs
+        entries[size.key] = copy_out(run) if plan.copy_outputs and not size.whole else run
     if plan.pad:
         entries.update(padded_entries(program, entries))
     return GraphRuntime(pool, entries, pieces, staged, per_size)

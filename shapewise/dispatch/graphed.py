@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from shapewise import _compat
-from shapewise.dispatch.copies import CopyIn
+from shapewise.dispatch.copies import CopyIn, clone_tensors, outputs_borrowed
 from shapewise.ir.program import TensorMeta
 from shapewise.ir.runner import LAYOUTS_ATTR
 
@@ -163,6 +163,9 @@ class GraphedPiece:
         # (Inductor's CUDA graph trees check only static inputs' addresses too), and its address is
         # checked in the parameters' pass.
         self.layout_guarded = layout_guarded
+        # Its outputs cloned out of the pool (but inside ``borrowed_outputs()``): a whole-forward
+        # graph's own ``copy_out``, one Python call of all the inputs less per replay.
+        self.copy_outputs = False
         if group is not None:
             group.pieces.append(self)
         layouts = getattr(fn, LAYOUTS_ATTR, None)
@@ -219,7 +222,7 @@ class GraphedPiece:
         graph.replay()
         for i, static in self.write_back:
             args[i].copy_(static)
-        return self.outputs
+        return clone_tensors(self.outputs) if self.copy_outputs and not outputs_borrowed() else self.outputs
 
     def _fallback(self, args: tuple, i: int) -> Any:
         # A parameter (or an upstream output) moved since capture: the graph would read the
@@ -328,8 +331,7 @@ class GraphedPiece:
         graph.replay()
         for i, static in self.write_back:
             args[i].copy_(static)
-        return outputs
-
+        return clone_tensors(outputs) if self.copy_outputs and not outputs_borrowed() else outputs
 
     def reset(self, live: set[int]) -> None:
         """Drop the graph; the piece captures again on its next call (``SizeGraphs.moved``)."""

@@ -291,3 +291,20 @@ def test_fresh_inputs_of_three_dtypes_are_copied_in_by_their_bytes_in_one_foreac
     copy_in = CopyIn([(0, scalar), (1, cplx)])
     copy_in((torch.tensor(3), torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)))
     assert scalar.item() == 3 and torch.equal(cplx, torch.tensor([1 + 2j, 3 - 1j])) and calls == [4, 4, 4]
+
+
+def test_a_whole_forward_graph_clones_its_outputs_but_where_they_are_borrowed(events):
+    # A replay's outputs live in the graph pool, overwritten by the next replay: the caller gets
+    # copies, but inside borrowed_outputs() (generate()), the graph's own buffers.
+    pool = GraphPool()
+    piece = GraphedPiece(lambda x: _cuda(x * 2), "forward", (4,), pool, [None])
+    piece.copy_outputs = True
+    x = _cuda(torch.randn(4))
+    for _ in range(2):  # warm-up, capture: the capture's outputs are the pool's too
+        out = piece(x)
+        assert out is not piece.outputs or piece.outputs is None
+    replayed = piece(x)
+    assert events[-1] == "replay" and replayed is not piece.outputs
+    torch.testing.assert_close(replayed, piece.outputs)
+    with sw.dispatch.borrowed_outputs():
+        assert piece(x) is piece.outputs
