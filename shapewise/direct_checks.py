@@ -74,7 +74,8 @@ def _attributes(value: Any) -> dict[str, Any]:
 
 
 def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict[str, Any], walked: set[str],
-                 aliases: dict[int, str], depth: int = 0, always: list[str] | None = None) -> None:
+                 aliases: dict[int, str], depth: int = 0, always: list[str] | None = None,
+                 items_settled: bool = False) -> None:
     """Append the checks of one object the call reads inside.
 
     ``before``: the attributes the forward sets, with their values before the traced call (or
@@ -82,14 +83,19 @@ def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict
     where they are read); ``aliases``: id of a tensor the graph reads -> the variable the call
     reads it into. ``always``: where the checks go that an unchanged ``__dict__`` does not settle
     (the object's type, class attributes, tensors' metadata, aliases, what hangs off it); the
-    checks of its attributes' values and identities go to ``lines``. None: all to ``lines``."""
+    checks of its attributes' values and identities go to ``lines``. None: all to ``lines``. A list
+    or tuple whose items are each such an object (``items_settled``): its items' distinctness goes
+    to ``lines`` (the same objects are as distinct as they were), its length to ``always``."""
     always = lines if always is None else always
     n = len(env)
     env[f"XT{n}"] = type(value)
     always.append(f"if type({var}) is not XT{n}: return MISS")
     if isinstance(value, (list, tuple)):  # its length, and which of its items are one object
         seq = pattern(value)
-        if seq == tuple(range(len(value))):  # all distinct (a cache's layers): one C pass, not a Python loop
+        if seq == tuple(range(len(value))) and items_settled and always is not lines:
+            always.append(f"if len({var}) != {len(value)}: return MISS")
+            lines.append(f"if len(set(map(id, {var}))) != {len(value)}: return MISS")
+        elif seq == tuple(range(len(value))):  # all distinct (a cache's layers): one C pass, not a Python loop
             always.append(f"if len({var}) != {len(value)} or len(set(map(id, {var}))) != {len(value)}: return MISS")
         else:
             env[f"XP{n}"] = seq
@@ -164,8 +170,10 @@ def check_objects(lines: list[str], env: dict, objects: dict[tuple, Any], tensor
         before = {a: v for (p, a), v in stored.items() if p == place and (p[0], (*p[1], ("attr", a))) not in spelled}
         walked = {p[1][len(place[1])][1] for p in spelled
                   if len(p[1]) > len(place[1]) and p[:1] == place[:1] and p[1][:len(place[1])] == place[1]}
-        check_object(skip if place in by_dict else lines, env, spelled[place], value, before, walked, aliases,
-                     always=lines)
+        items = isinstance(value, (list, tuple)) and all(
+            (place[0], (*place[1], ("item", i))) in by_dict for i in range(len(value)))
+        check_object(skip if place in by_dict or items else lines, env, spelled[place], value, before, walked,
+                     aliases, always=lines, items_settled=items)
     apart = distinct({p: follow(named, p) for p in tensors}, spelled)
     stable = [p for p in tensors if settled(p)]
     if not stable or any(" is not " in line for line in apart):  # (aliased tensors: checked every call)
