@@ -52,6 +52,11 @@ def test_greedy_generate_equals_eager(static_cache, direct_call, caplog):
         # A static cache's decode mask is 4-d at the cache's length (transformers 5.2x): fixed too.
         assert re.fullmatch(r"trace 1: on; trace 2 \(seq=1(, ctx=\d+)?\): on", fast.direct_info), fast.direct_info
         assert fast.direct_calls == len(prompts) + decode_steps - 2 and decode_steps > 10
+        # Decode on a static cache sets nothing on it: its checks of the cache's and layers'
+        # attributes are made once per cache (each generate() makes one), then by dict versions.
+        # The dynamic cache's layers get new tensors every step: checked in full every call.
+        memo = sorted("MEMO[0]" in d.source for d in fast._directs.armed)
+        assert memo == ([False, sw._compat.dict_version is not None] if static_cache else [False, False]), memo
     rows = fast.report()
     # the mask's length (ctx) shows where transformers passes one (2-d in 5.17, 4-d for a static cache in 5.2x)
     def no_ctx(text):
