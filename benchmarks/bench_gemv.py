@@ -1,5 +1,7 @@
 """Decode GEMV on one GPU: cuBLAS (``F.linear``) against ``shapewise::gemv`` (the Triton kernel
-``sw.library.DecodeGemv`` puts in graphs), at 1-16 rows, on the weight shapes of a 7B Llama
+``sw.library.DecodeGemv`` puts in graphs), with and without programmatic dependent launch
+(``pdl=True``: each call starts while the one ahead ends, prefetching its weight), at 1-16 rows,
+on the weight shapes of a 7B Llama
 (``--shapes 1b,8b``: the fused shapes of Llama-3.2-1B and Llama-3.1-8B; ``--all-configs``: every tiling
 timed in the graphs too, to check the tuner's choice).
 
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             ref = F.linear(xs[0].double(), ws[0].double())
             nbytes = (n * k + m * k + m * n) * 2
             row = {"N": n, "K": k, "M": m, "bytes": nbytes, "weight_copies": copies}
-            for name, fn in (("cublas", lambda x, w: F.linear(x, w)), ("shapewise_gemv", lambda x, w: gemv(x, w))):
+            for name, fn in (("cublas", lambda x, w: F.linear(x, w)), ("shapewise_gemv", lambda x, w: gemv(x, w)),
+                             ("shapewise_gemv_pdl", lambda x, w: gemv(x, w, None, True))):
                 fresh = fn(xs[0], ws[0])
                 row[f"{name}_err"] = ((fresh.double() - ref).norm() / ref.norm()).item()
                 us = time_calls(fn, xs, ws, args.repeats)
@@ -120,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(f"[{n}x{k}] M={m:2d}  cuBLAS {row['cublas_us']:7.2f} us ({row['cublas_bw_frac']:.0%})  "
                   f"gemv {row['shapewise_gemv_us']:7.2f} us ({row['shapewise_gemv_bw_frac']:.0%}) "
+                  f"gemv+pdl {row['shapewise_gemv_pdl_us']:7.2f} us ({row['shapewise_gemv_pdl_bw_frac']:.0%}) "
                   f"err {row['shapewise_gemv_err']:.1e} cfg {row['config']}", flush=True)
             (out / "results.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
         del ws
@@ -128,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
              f"torch {env['torch']}, Triton {env['triton']}, CUDA {env['cuda']}, {env['date']}. {env['timing']}.",
              f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write). % = bytes moved / time / copy bandwidth.",
              "", "| weight N x K | rows | cuBLAS µs | cuBLAS % | shapewise gemv µs | gemv % | speed-up "
-             "| gemv rel. err | config | best config in graphs | its µs |", "|---" * 11 + "|"]
+             "| gemv+PDL µs | gemv+PDL % | gemv rel. err | config | best config in graphs | its µs |",
+             "|---" * 13 + "|"]
     for r in results:
         best = f"{r['best_in_graph_config']} | {r['best_in_graph_us']:.2f}" if "best_in_graph_us" in r else "- | -"
         lines.append(f"| {r['N']}x{r['K']} | {r['M']} | {r['cublas_us']:.2f} | {r['cublas_bw_frac']:.0%} | "
                      f"{r['shapewise_gemv_us']:.2f} | {r['shapewise_gemv_bw_frac']:.0%} | "
-                     f"{r['cublas_us'] / r['shapewise_gemv_us']:.2f}x | {r['shapewise_gemv_err']:.1e} | "
+                     f"{r['cublas_us'] / r['shapewise_gemv_us']:.2f}x | {r['shapewise_gemv_pdl_us']:.2f} | "
+                     f"{r['shapewise_gemv_pdl_bw_frac']:.0%} | {r['shapewise_gemv_err']:.1e} | "
                      f"{r['config']} | {best} |")
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)

@@ -26,6 +26,7 @@ from the cache object as the trace read them, and what the forward sets on the c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -200,7 +201,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                      prompt_ranges: Sequence[tuple[int, int]] = (), max_length: int = 4096,
                      static_cache: bool | str = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
-                     batch_updates: bool | None = None, defer_stop: bool | None = None,
+                     batch_updates: bool | None = None, defer_stop: bool | None = None, pdl: bool = False,
                      **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
@@ -253,6 +254,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     its token is dropped, so the tokens are the same. Not where the cache is returned
     (``return_dict_in_generate``, a cache passed in) or for assisted decoding: there it checks at
     every step, as before. By default (None) on for a model on a GPU.
+    ``pdl``: programmatic dependent launch (``sw.library.kernels.pdl``; Hopper and later, else
+    ignored): Inductor's kernels (``static_options={"triton.enable_pdl": True}``), the decode
+    attention kernel and ``DecodeGemv`` passes given in ``graph_passes`` (as ``pdl=True``) start
+    while the kernel ahead of them finishes.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
@@ -334,7 +339,12 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         from shapewise.library.grouped_decode import GroupedDecodeAttention  # registers its op
 
         if not any(isinstance(p, GroupedDecodeAttention) for p in passes):
-            passes.insert(0, GroupedDecodeAttention())
+            passes.insert(0, GroupedDecodeAttention(pdl=pdl))
+    if pdl:
+        from shapewise.library.decode_gemv import DecodeGemv
+
+        passes = [dataclasses.replace(p, pdl=True) if isinstance(p, DecodeGemv) else p for p in passes]
+        options["static_options"] = {"triton.enable_pdl": True, **(options.get("static_options") or {})}
     if fuse_projections:
         from shapewise.library.fuse_projections import FuseProjections, pack_projections  # registers its op
 

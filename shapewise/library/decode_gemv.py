@@ -20,6 +20,10 @@ weights) that fits the same way becomes ``shapewise::gemv_group``: the kernel ov
 concatenation, as ``linear_group`` does). Run DecodeGemv after FuseProjections
 (``compile_generate`` puts FuseProjections first).
 
+``pdl=True``: the kernels are launched with programmatic dependent launch where the GPU has it
+(``kernels/pdl.py``: each starts while the kernel ahead finishes, prefetching its weight into L2);
+the choice between the kernel and cuBLAS is still made by timing each alone.
+
 As it rewrites, the pass tunes the kernel for each (rows, N, K, dtype, bias) it put in (on a CUDA
 device with Triton, outside fake-tensor tracing and CUDA graph capture; ``kernels.gemv.tune``,
 results in memory and under ``<shapewise cache>/gemv-tuning/``, shared by tensor-parallel ranks).
@@ -77,20 +81,29 @@ def _names(values: Any, what: str, name_of: Callable[[Any], str]) -> tuple[str, 
 
 
 @torch.library.custom_op("shapewise::gemv_group", mutates_args=())
-def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+def gemv_group(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+               pdl: bool = False) -> torch.Tensor:
     """``shapewise::linear_group(x, weights, biases)`` through ``shapewise::gemv``: one kernel over
-    the packed weights."""
+    the packed weights (``pdl`` as ``gemv``'s)."""
     w = _joined(weights, "weights")
     b = _joined(biases, "biases") if biases else None
-    return gemv(x, w, b)
+    return gemv(x, w, b, pdl)
 
 
 @gemv_group.register_fake
-def _(x, weights, biases):
+def _(x, weights, biases, pdl=False):
     return torch.ops.shapewise.linear_group.default(x, weights, biases)
 
 
-gemv_group.register_autograd(_group_backward, setup_context=_group_setup)
+def _gemv_group_setup(ctx, inputs, output) -> None:
+    _group_setup(ctx, inputs[:3], output)
+
+
+def _gemv_group_backward(ctx, grad):
+    return (*_group_backward(ctx, grad), None)
+
+
+gemv_group.register_autograd(_gemv_group_backward, setup_context=_gemv_group_setup)
 
 
 @register_pass
@@ -99,10 +112,11 @@ class DecodeGemv(GraphPass):
     """Linear layers with at most ``max_tokens`` rows at a static size -> ``shapewise::gemv``."""
 
     name: ClassVar[str] = "decode_gemv"
-    version: ClassVar[int] = 2  # 2: linear_group -> gemv_group
+    version: ClassVar[int] = 3  # 2: linear_group -> gemv_group; 3: pdl
     max_tokens: int = 16
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
+    pdl: bool = False  # the kernels launched with programmatic dependent launch (kernels/pdl.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not (
@@ -111,6 +125,9 @@ class DecodeGemv(GraphPass):
                               f"give max_tokens between 1 and {MAX_ROWS}")
         object.__setattr__(self, "devices", _names(self.devices, "devices", _device_name))
         object.__setattr__(self, "dtypes", _names(self.dtypes, "dtypes", _dtype_name))
+        if not isinstance(self.pdl, bool):
+            raise ConfigError(f"DecodeGemv(pdl={self.pdl!r}): say True (programmatic dependent launch where the GPU "
+                              "has it) or False")
 
     def applies(self, sizes: Sizes) -> bool:
         return all(isinstance(v, int) for v in sizes.values())
@@ -127,6 +144,8 @@ class DecodeGemv(GraphPass):
                 if shape is not None:
                     shapes.append(shape)
                     node.target = grouped
+                    if self.pdl:
+                        node.args = (*node.args, True)
                 continue
             found = match_linear(node)
             if found is None:
@@ -138,7 +157,7 @@ class DecodeGemv(GraphPass):
                 continue
             shapes.append(shape)
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(op, (x, weight, bias))
+                new = gm.graph.call_function(op, (x, weight, bias, *((True,) if self.pdl else ())))
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)

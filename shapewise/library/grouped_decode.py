@@ -24,7 +24,8 @@ kernel (``shapewise::decode_attention``, ``kernels/decode_attention.py``: a spli
 kernel on CUDA in bf16/fp16, SDPA itself anywhere else); ``attention="sdpa"`` calls SDPA on the
 grouped rows. On the H200 at Llama-3.2-1B shapes SDPA's cuDNN kernel for the grouped shape is
 slower than for the repeated one (9.0 against 6.35 µs a layer, benchmarks/results/decode_h200/
-decode_options), so the rewrite pays only with a kernel written for it.
+decode_options), so the rewrite pays only with a kernel written for it. ``pdl=True`` launches the
+kernel with programmatic dependent launch where the GPU has it (``kernels/pdl.py``).
 """
 
 from __future__ import annotations
@@ -92,13 +93,17 @@ class GroupedDecodeAttention(GraphPass):
     ones (shapewise's decode kernel, or SDPA: ``attention``)."""
 
     name: ClassVar[str] = "grouped_decode_attention"
-    version: ClassVar[int] = 2
+    version: ClassVar[int] = 3  # 3: pdl
     attention: str = "kernel"  # "kernel": shapewise::decode_attention; "sdpa": SDPA on the grouped rows
+    pdl: bool = False  # the kernel launched with programmatic dependent launch (kernels/pdl.py)
 
     def __post_init__(self) -> None:
         if self.attention not in ("kernel", "sdpa"):
             raise ConfigError(f"GroupedDecodeAttention(attention={self.attention!r}): say 'kernel' (shapewise's "
                               "decode kernel) or 'sdpa' (SDPA on the grouped query rows)")
+        if not isinstance(self.pdl, bool):
+            raise ConfigError(f"GroupedDecodeAttention(pdl={self.pdl!r}): say True (the decode kernel launched with "
+                              "programmatic dependent launch where the GPU has it) or False")
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult:
         if not isinstance(sizes, VariantSizes):
@@ -156,7 +161,8 @@ class GroupedDecodeAttention(GraphPass):
         with g.inserting_before(node):
             rows = g.call_method("reshape", (q, *grouped))
             if self.attention == "kernel":
-                attended = g.call_function(torch.ops.shapewise.decode_attention.default, (rows, k, v, mask, scale))
+                attended = g.call_function(torch.ops.shapewise.decode_attention.default,
+                                           (rows, k, v, mask, scale, *((True,) if self.pdl else ())))
             else:
                 kwargs: dict[str, Any] = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False}
                 if scale is not None:

@@ -238,3 +238,63 @@ def test_a_transformers_llama_is_rewritten_at_decode_sizes_and_answers_as_eager(
                 gemvs[v.binding.key or ("fixed",)] = gm.code.count("torch.ops.shapewise.gemv")
     # q, k, v, o, gate, up, down per layer (2 layers) and the head: 15 at 1 and 4 tokens, none at 8
     assert sorted(gemvs.values()) == [0, 15, 15], gemvs
+
+
+def test_pdl_is_an_argument_of_the_ops_the_pass_writes_and_a_no_op_off_the_gpu():
+    torch.manual_seed(0)
+    model = FourForms()
+    fast = sw.compile(model, sizes=[2], backend="aot_eager", graph_passes=[sw.library.DecodeGemv(pdl=True, **CPU)])
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        for got, want in zip(fast(x), model(x)):
+            assert_same(got, want, "pdl=True on the CPU")
+    code = next(v.gm for r in fast.runnables for p in r.program.compute_pieces for v in p.variants).code
+    assert code.count("torch.ops.shapewise.gemv.default") == 5 and code.count(", True)") == 5, code
+    with pytest.raises(sw.ConfigError, match="pdl="):
+        sw.library.DecodeGemv(pdl="yes")
+    x, w = torch.randn(3, 64), torch.randn(8, 64)
+    assert torch.equal(torch.ops.shapewise.gemv(x, w, None, True), F.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_chain_of_pdl_launches_in_a_cuda_graph_reads_what_the_kernel_ahead_wrote(prefetch, monkeypatch):
+    """Each GEMV reads the one ahead's output (and one a plain kernel's): launched with PDL, each must
+    wait for the kernel ahead, in a CUDA graph replayed on new inputs, split-K configs included."""
+    from shapewise.library.kernels import gemv as gemv_module
+    from shapewise.library.kernels.gemv import _launch
+    from shapewise.library.kernels.pdl import pdl_supported
+
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0 and Triton's gdc ops")
+    if not prefetch:  # as for a misaligned weight: no bulk prefetch, the wait alone
+        monkeypatch.setattr(gemv_module, "_can_prefetch", lambda w: False)
+    torch.manual_seed(0)
+    dims = (2048, 3072, 2048, 8192, 2048)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for k, n in zip(dims, dims[1:])]
+    split = [c for c in gemv_configs(2048, 8192) if c.split_k > 1][0]
+    cfgs = [gemv_configs(w.shape[0], w.shape[1])[0] for w in ws]
+    cfgs[3] = split  # ws[3] is [2048, 8192]: its K in slices summed with atomics
+    x = torch.empty(4, dims[0], device="cuda", dtype=torch.bfloat16)
+
+    def chain(pdl):
+        y = x
+        for i, (w, cfg) in enumerate(zip(ws, cfgs)):
+            y = _launch(y, w, None, cfg, pdl=pdl)
+            if i == 1:
+                y = torch.relu(y) * 0.5  # a kernel without PDL between two with it
+        return y
+
+    x.copy_(torch.randn_like(x))
+    chain(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = chain(False)
+        torch.cuda.synchronize()
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 2e-2, err

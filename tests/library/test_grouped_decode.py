@@ -306,3 +306,44 @@ def test_captured_launches_past_the_counters_pool_fall_back_and_say_so(monkeypat
         assert counters.take(device, 4) is None and counters.take(device, 1) is None
     said = [r.getMessage() for r in caplog.records if "used up" in r.getMessage()]
     assert len(said) == 1 and "second kernel" in said[0], said
+
+
+@pytest.mark.gpu
+def test_pdl_attention_in_a_cuda_graph_reads_the_query_and_cache_the_kernels_ahead_wrote():
+    # Launched with PDL, the kernel starts while the kernel ahead (here the writes of q and the
+    # cache, plain kernels, and the GEMV's with PDL) may still run: it must wait before it reads.
+    from shapewise.library.kernels.gemv import GemvConfig, _launch
+    from shapewise.library.kernels.pdl import pdl_supported
+
+    if not pdl_supported(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0 and Triton's gdc ops")
+    torch.manual_seed(0)
+    b, h, n, s, d = 1, 8, 4, 384, 64
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(b * h * n * d, 2048, device="cuda", dtype=torch.bfloat16) / 2048**0.5
+    k_src, v_src = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = torch.empty_like(k_src), torch.empty_like(v_src)
+    mask = torch.rand(1, 1, 1, s, device="cuda") > 0.3
+    op = torch.ops.shapewise.decode_attention
+
+    def step(pdl):
+        k.copy_(k_src)
+        v.copy_(v_src)
+        q = _launch(x, w, None, GemvConfig(16, 256), pdl=pdl).view(b, h, n, d)
+        return op(q, k, v, mask, 0.125, pdl), q
+
+    step(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, q = step(True)
+    for _ in range(4):
+        for t in (x, k_src, v_src):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = F.scaled_dot_product_attention(q.float(), k_src.float(), v_src.float(), attn_mask=mask, scale=0.125)
+        ref16 = F.scaled_dot_product_attention(q, k_src, v_src, attn_mask=mask, scale=0.125).float()
+        assert (out.float() - want).abs().max().item() <= max(2 * (ref16 - want).abs().max().item(), 1e-2)
+        q_want = F.linear(x.float(), w.float()).view(q.shape)
+        assert ((q.float() - q_want).norm() / q_want.norm()).item() < 1e-2

@@ -40,7 +40,10 @@ if triton is not None:
                       HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, SPLIT: tl.constexpr,
                       LAST_COMBINES: tl.constexpr, PARTS_P2: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr,
-                      DV: tl.constexpr, DV_P2: tl.constexpr):
+                      DV: tl.constexpr, DV_P2: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # (kernels/pdl.py) the query, the cache and the counters are the kernels ahead's
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         bh = tl.program_id(0)
         part = tl.program_id(1)
         b = bh // H

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from shapewise.library.kernels.gemv import triton_gemv_available
+from shapewise.library.kernels.pdl import pdl_supported
 
 log = logging.getLogger("shapewise")
 
@@ -113,16 +114,17 @@ def _span(t: torch.Tensor) -> int:
 
 @torch.library.custom_op("shapewise::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)`` for a mask shared
-    by the query rows, through the Triton kernel where it runs (module docstring)."""
+    by the query rows, through the Triton kernel where it runs (module docstring); ``pdl``: launched
+    with programmatic dependent launch where the GPU has it (``kernels/pdl.py``)."""
     if not _fast_path(q, k, v, mask):
         # Contiguous, as the fake says: SDPA's CUDA backends return [B, n, H, D]-ordered memory, and
         # Inductor lays out what reads the op's output by the fake's strides.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).contiguous()
     with torch.cuda.device(q.device):
         return _launch(q, k, v, mask, scale, _sms(q.device.index if q.device.index is not None
-                                                  else torch.cuda.current_device()))
+                                                  else torch.cuda.current_device()), pdl=pdl)
 
 
 class _Counters:
@@ -173,11 +175,13 @@ _COUNTERS = _Counters()
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
-            sms: int, parts: int | None = None, last_combines: bool = True) -> torch.Tensor:
+            sms: int, parts: int | None = None, last_combines: bool = True, pdl: bool = False) -> torch.Tensor:
     """The kernels on arguments ``_fast_path`` took (on the current device; or on the CPU under
     ``TRITON_INTERPRET=1``). ``parts``: so many slices of S instead of the plan's (benchmarks).
     ``last_combines``: the last program of a head combines its slices where counters are free
-    (else, or False, a second kernel does)."""
+    (else, or False, a second kernel does). ``pdl``: the attention kernel launched with
+    programmatic dependent launch where the device has it (``kernels/pdl.py``)."""
+    pdl = pdl and pdl_supported(q.device)
     b, h, n, d = q.shape
     s, dv = k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -205,7 +209,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         v.stride(0), v.stride(1), v.stride(2), m_args[1], m_args[2], out.stride(0), out.stride(1), out.stride(2),
         HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.bool, SPLIT=split,
         LAST_COMBINES=counts is not None, PARTS_P2=_next_pow2(parts),
-        BLOCK_N=block_n, BLOCK_S=BLOCK_S, D=d, D_P2=_next_pow2(d), DV=dv, DV_P2=dv_p2, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, BLOCK_S=BLOCK_S, D=d, D_P2=_next_pow2(d), DV=dv, DV_P2=dv_p2, PDL=pdl,
+        num_warps=4, num_stages=2, **({"launch_pdl": True} if pdl else {}))
     if split and counts is None:
         combine[(b * h,)](ml, acc, out, h, parts, n, out.stride(0), out.stride(1), out.stride(2),
                           PARTS_P2=_next_pow2(parts), BLOCK_N=block_n, DV=dv, DV_P2=dv_p2, num_warps=4)
@@ -213,7 +218,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 @decode_attention.register_fake
-def _(q, k, v, mask=None, scale=None):
+def _(q, k, v, mask=None, scale=None, pdl=False):
     torch._check(q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
                  lambda: f"shapewise::decode_attention: q, k, v must be 4-D, got {q.dim()}, {k.dim()}, {v.dim()}")
     torch._check(q.shape[-1] == k.shape[-1],

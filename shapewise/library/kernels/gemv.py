@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shapewise.library.kernels.pdl import pdl_supported, prefetch_elements
 from shapewise.library.kernels.store import MISSING, TuningStore
 
 __all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune",
@@ -117,16 +118,32 @@ def _kernel():
     # apart for M == 1 and M == 16), and the number of K slices is the grid's: one binary per
     # tiling, split or not, and K's evenness serves every row count, so tuning compiles ~30
     # binaries for a model's five weights, not ~100.
-    @triton.jit(do_not_specialize=["M"])
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, sxm, sxk, swn, swk,
+    @triton.jit(do_not_specialize=["M", "prefetch"])
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr):
+                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                    ELEM: tl.constexpr, PF: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         k_lo = pid_k * chunk
+        if PDL:  # (kernels/pdl.py) nothing the kernels ahead write is read or written before the wait
+            if PREFETCH:  # the first ``prefetch`` elements of this program's rows of its K slice, into L2,
+                # in PF parts a row (one bulk prefetch per thread; a part past the end moves nothing)
+                part = ((prefetch + PF - 1) // PF + 7) // 8 * 8
+                start = k_lo + tl.arange(0, PF) * part
+                size = tl.minimum(part, tl.minimum(k_lo + prefetch, K) - start)
+                size = tl.where(size > 0, size * ELEM, 0).to(tl.int32)
+                rows = tl.minimum(rn, N - 1)
+                tl.inline_asm_elementwise(
+                    "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
+                    "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r",
+                    [w_ptr + rows[:, None] * swn + tl.minimum(start, K - 8)[None, :],
+                     tl.zeros([BLOCK_N, PF], tl.int32) + size[None, :]], dtype=tl.int32, is_pure=False, pack=1)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x_ptrs = x_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk
         w_ptrs = w_ptr + rn[:, None] * swn + (k_lo + rk)[None, :] * swk
         m_ok = rm[:, None] < M
@@ -157,26 +174,41 @@ def _kernel():
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig, *,
-            warmup: bool = False) -> torch.Tensor | None:
-    """Run ``cfg`` on (x, w, b); ``warmup=True`` only compiles its binary (nothing runs)."""
+            warmup: bool = False, pdl: bool = False) -> torch.Tensor | None:
+    """Run ``cfg`` on (x, w, b); ``warmup=True`` only compiles its binary (nothing runs).
+    ``pdl``: with programmatic dependent launch where the device has it (``kernels/pdl.py``)."""
     m, k = x.shape
     n = w.shape[0]
+    pdl = pdl and pdl_supported(x.device)
     if cfg.split_k == 1 or warmup:  # a warm-up launches nothing: its output need not be zeroed
         y = torch.empty((m, n), dtype=x.dtype if cfg.split_k == 1 else torch.float32, device=x.device)
     else:
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (_cdiv(n, cfg.block_n), cfg.split_k)
     chunk = _cdiv(k, cfg.split_k * cfg.block_k) * cfg.block_k  # each program's slice of K
+    es = w.element_size()
+    prefetch = pdl and _can_prefetch(w)
+    ahead = prefetch_elements(x.device, n, cfg.split_k, chunk, es) if prefetch else 0
     kernel = _kernel()
-    args = (x, w, b if b is not None else w, y, m, n, k, chunk, x.stride(0), x.stride(1), w.stride(0), w.stride(1))
+    args = (x, w, b if b is not None else w, y, m, n, k, chunk, ahead, x.stride(0), x.stride(1), w.stride(0),
+            w.stride(1))
     meta = dict(HAS_BIAS=b is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                SPLIT=cfg.split_k > 1, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, num_warps=cfg.num_warps,
+                SPLIT=cfg.split_k > 1, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=prefetch,
+                ELEM=es, PF=max(1, 32 * cfg.num_warps // cfg.block_n), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
+    if pdl:
+        meta["launch_pdl"] = True
     if warmup:
         kernel.warmup(*args, grid=grid, **meta)
         return None
     kernel[grid](*args, **meta)
     return y if cfg.split_k == 1 else y.to(x.dtype)
+
+
+def _can_prefetch(w: torch.Tensor) -> bool:
+    """Whether the kernel may bulk-prefetch ``w``'s rows: 16-byte units from 16-byte aligned addresses."""
+    es = w.element_size()
+    return w.stride(1) == 1 and (w.shape[1] * es) % 16 == 0 and w.data_ptr() % 16 == 0 and (w.stride(0) * es) % 16 == 0
 
 
 _TUNED: dict[tuple, GemvConfig | None] = {}  # (rows, N, K, dtype, bias, device index) -> config or None
@@ -455,19 +487,20 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 
 
 @torch.library.custom_op("shapewise::gemv", mutates_args=())
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the Triton kernel where it runs (module docstring)."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the Triton kernel where it runs (module docstring);
+    ``pdl``: launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``)."""
     if _fast_path(x, weight, bias):
         x2 = x.reshape(-1, x.shape[-1])
         with torch.cuda.device(x.device):  # Triton launches on the current device
             cfg = gemv_config(x2, weight, bias)
             if cfg is not None:
-                return _launch(x2, weight, bias, cfg).reshape(*x.shape[:-1], weight.shape[0])
+                return _launch(x2, weight, bias, cfg, pdl=pdl).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
 @gemv.register_fake
-def _(x, weight, bias=None):
+def _(x, weight, bias=None, pdl=False):
     torch._check(weight.dim() == 2, lambda: f"shapewise::gemv: weight must be 2-D [N, K], got {tuple(weight.shape)}")
     torch._check(x.shape[-1] == weight.shape[1],
                  lambda: f"shapewise::gemv: x's last dim {x.shape[-1]} != weight's K {weight.shape[1]}")
@@ -478,7 +511,7 @@ def _(x, weight, bias=None):
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, weight, bias = inputs
+    x, weight, bias, _ = inputs
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
 
@@ -492,7 +525,7 @@ def _backward(ctx, grad):
         gw = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
     if ctx.has_bias and ctx.needs_input_grad[2]:
         gb = grad.reshape(-1, grad.shape[-1]).sum(0)
-    return gx, gw, gb
+    return gx, gw, gb, None
 
 
 gemv.register_autograd(_backward, setup_context=_setup)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Device call (one H100 or H200): programmatic dependent launch (issue 28). Under one deadline (DEADLINE s):
+# the library's GPU tests (the PDL chains in CUDA graphs among them), bench_gemv on the 1B's fused shapes
+# (cuBLAS, the kernel, the kernel with PDL: each call a graph node after the last), then bench_decode 1b
+# with sw_full, sw_full_pdl (Inductor's kernels and the attention with PDL) and sw_full_gemv_pdl (the GEMVs
+# too), the bf16/fp32 checks on. Results under $OUT. From the repository root: bash benchmarks/device/session_pdl.sh
+source benchmarks/device/_setup.sh
+timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/library 2>&1 \
+  | tail -25 | tee "$OUT/gpu_library.txt"
+timeout "${GEMV_LIMIT:-120}" python3 benchmarks/bench_gemv.py --shapes 1b --rows "${ROWS:-1}" --repeats 3 \
+  --out "$OUT/gemv" 2>&1 | grep -v "Warn\|warn" | tail -8
+T=$(left); echo "left for bench_decode: $T s"
+timeout $(( T - 5 )) python3 benchmarks/bench_decode.py --models 1b \
+  --contenders "${CONTENDERS:-sw_full,sw_full_pdl,sw_full_gemv_pdl}" --rounds 3 --generate-repeats 1 \
+  --check-layers "${CHECK_LAYERS:-2}" --out "$OUT/decode" 2>&1 | grep -v "Warn\|warn\|skipping" \
+  | tee "$OUT/bench_decode.log" | tail -12
+echo done
