@@ -4,7 +4,8 @@ Contenders (same weights, same inputs, each checked against eager):
   eager; torch.compile dynamic=True; dynamic=False (recompiles per size);
   mode="reduce-overhead"; mode="max-autotune-no-cudagraphs" + dynamic=False;
   mark_dynamic(specialize_on=...) (its failure recorded if it fails);
-  shapewise static; shapewise static + max_autotune per size; shapewise static + CUDA graphs.
+  shapewise static; shapewise static + max_autotune per size; shapewise static + CUDA graphs;
+  full graphs with DecodeGemv and with programmatic dependent launch (PDL).
 
 Timing: triton.testing.do_bench (CUDA events, warm-up, L2 flushed), median of its medians over
 ``--repeats`` rounds. Roofline: the stack's bytes over the measured copy bandwidth and its FLOPs
@@ -289,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
         run("shapewise full cudagraph+DecodeGemv", shapewise(cudagraphs="full", graph_passes=gemv), tokens)
         run("shapewise full_and_piecewise+DecodeGemv",
             shapewise(cudagraphs={"mode": "full_and_piecewise", "capture": "startup"}, graph_passes=gemv), tokens)
+        # Programmatic dependent launch: Inductor's kernels, and the GEMVs (up to 64 rows) prefetching their weights
+        pdl = {"triton.enable_pdl": True}
+        run("shapewise full cudagraph+PDL", shapewise(cudagraphs="full", static_options=pdl), tokens)
+        run("shapewise full cudagraph+DecodeGemv64+PDL",
+            shapewise(cudagraphs="full", static_options=pdl,
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=64, pdl=True)]), tokens)
+        run("shapewise full cudagraph+DecodeGemv64",
+            shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=64)]), tokens)
         run("shapewise static+max_autotune+cudagraphs",
             shapewise(sizes=at_tokens, static_options={"max_autotune": True}, cudagraphs=True), at_tokens)
 

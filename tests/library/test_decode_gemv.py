@@ -160,8 +160,9 @@ def test_the_op_passes_torchs_custom_op_checks():
 
 
 def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
-    with pytest.raises(sw.ConfigError, match="between 1 and 16"):
-        sw.library.DecodeGemv(max_tokens=32)
+    with pytest.raises(sw.ConfigError, match="between 1 and 64"):
+        sw.library.DecodeGemv(max_tokens=65)
+    assert sw.library.DecodeGemv(max_tokens=64).max_tokens == 64
     spelled = [sw.library.DecodeGemv(devices=d, dtypes=t) for d, t in
                (("cpu", "float32"), ((torch.device("cpu"),), (torch.float32,)), (["cpu:0"], ["torch.float32"]))]
     assert {(p.devices, p.dtypes) for p in spelled} == {(("cpu",), ("float32",))}
@@ -182,7 +183,8 @@ def test_the_kernel_matches_float64_at_every_config(dtype):
     from shapewise.library.kernels.gemv import _launch
 
     torch.manual_seed(0)
-    for m, n, k, bias in ((1, 4096, 4096, False), (3, 1000, 1000, True), (16, 256, 11008, True), (8, 24, 64, False)):
+    for m, n, k, bias in ((1, 4096, 4096, False), (3, 1000, 1000, True), (16, 256, 11008, True), (8, 24, 64, False),
+                          (17, 512, 1024, True), (32, 4096, 512, False), (64, 1000, 4096, True), (40, 64, 256, False)):
         x = torch.randn(m, k, device="cuda", dtype=dtype)
         w = torch.randn(n, k, device="cuda", dtype=dtype)
         b = torch.randn(n, device="cuda", dtype=dtype) if bias else None

@@ -214,7 +214,7 @@ def test_a_weights_candidates_are_timed_once_and_each_row_count_times_two(store,
     before = gemv.tuning_stats()
     assert [gemv.tune(**_row(r), device="cpu") for r in ROWS] == [gpu.fastest] * len(ROWS)
     # every candidate once, at the kernel's full tile; then per row count its winner and F.linear, at the real rows
-    want = Counter({(cfg, gemv.MAX_ROWS): 1 for cfg in configs})
+    want = Counter({(cfg, 16): 1 for cfg in configs})  # the 16-row tile's
     want.update({(what, r): 1 for r in ROWS for what in (gpu.fastest, "linear")})
     assert gpu.benched == want
     assert _delta(before) == {"weights": 1, "weight_timings": len(configs), "shapes": 5, "shape_timings": 10}
@@ -268,7 +268,7 @@ def test_a_broken_weight_file_warns_is_timed_again_and_rewritten(store, monkeypa
     with caplog.at_level(logging.WARNING, logger="shapewise"):
         assert gemv.tune(**_row(5), device="cpu") == gpu.fastest
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [f"shapewise: ignoring the tuning file {path}"]
-    assert sum(n for (what, rows), n in gpu.benched.items() if rows == gemv.MAX_ROWS) == len(
+    assert sum(n for (what, rows), n in gpu.benched.items() if rows == 16) == len(
         gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132))
     assert json.loads(path.read_text())["value"]["block_n"] == gpu.fastest.block_n
 
@@ -299,7 +299,7 @@ def test_wait_false_leaves_a_weight_another_process_is_tuning_to_it(store, monke
     gpu = StandInGpu(monkeypatch)
     configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)
     weights = TuningStore(store.folder / "weights")
-    with weights.locked(gemv._weight_fields((64, 256, torch.bfloat16, True, None), "Stand-in GPU", 132, configs)):
+    with weights.locked(gemv._weight_fields((16, 64, 256, torch.bfloat16, True, None), "Stand-in GPU", 132, configs)):
         t0 = time.perf_counter()
         made, randn = [], torch.randn
         with monkeypatch.context() as m:

@@ -1,12 +1,13 @@
 """``shapewise::gemv``: ``y = x @ weight.T (+ bias)`` for a few rows (decode), as a Triton kernel
 that streams the weight once, tuned per weight and row count on the first call.
 
-At one to sixteen rows a linear layer is a read of its weight: the arithmetic is nothing, and
+At one to sixty-four rows a linear layer is a read of its weight: the arithmetic is small, and
 the time is the weight's bytes over memory bandwidth. cuBLAS picks GEMM tilings for these
 shapes that leave a third to half of the bandwidth unused (see
 ``benchmarks/results/gemv_h200``). This kernel gives each program ``BLOCK_N`` weight rows and
 one slice of K (split-K, for weights with few rows, so that every multiprocessor streams), pads
-the rows of ``x`` to 16 for the tensor cores, and sums split-K partials with float32 atomics.
+the rows of ``x`` to a row tile of 16, 32 or 64 (``ROW_TILES``) for the tensor cores, and sums
+split-K partials with float32 atomics.
 
 The op runs the kernel where it can (CUDA, bf16/fp16, a weight whose rows are contiguous, at
 most ``MAX_ROWS`` rows, Triton importable) and ``torch.nn.functional.linear`` everywhere else,
@@ -18,8 +19,8 @@ Tuning has two levels, each read from memory, then disk (``shapewise.library.ker
 source and shape, shared by every process and rank; ``rm -r`` the folder to clear it,
 ``SHAPEWISE_CACHE=0`` to keep it in memory only), else timed (``triton.testing.do_bench``) and
 written to disk. Per weight (N, K, dtype, bias; under ``weights/``), every config of
-``gemv_configs`` is timed once, at ``MAX_ROWS`` rows: the kernel always computes a 16-row tile,
-so one config is fastest at every row count. Per row count, only that config and ``F.linear``
+``gemv_configs`` is timed once per row tile, at the tile's rows: the kernel computes the whole
+tile, so one config is fastest at every row count of a tile. Per row count, only that config and ``F.linear``
 are timed, at the real rows, and the faster kept (whether cuBLAS wins does depend on the rows).
 ``tune()`` does this ahead of time on random tensors (``DecodeGemv`` calls it at compile time).
 Inside a CUDA graph capture nothing is timed: a shape missing from memory and disk takes its
@@ -56,8 +57,10 @@ __all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "tri
 
 log = logging.getLogger("shapewise")
 
-#: The most rows the kernel takes (its row tile); more rows go to ``F.linear``.
-MAX_ROWS = 16
+#: The kernel's row tiles: the rows are padded to the first that holds them (for the tensor cores).
+ROW_TILES = (16, 32, 64)
+#: The most rows the kernel takes; more rows go to ``F.linear``.
+MAX_ROWS = ROW_TILES[-1]
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -89,6 +92,11 @@ def triton_gemv_available() -> bool:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def row_tile(rows: int) -> int:
+    """The kernel's row tile for ``rows`` rows (at most ``MAX_ROWS``): the first of ``ROW_TILES`` that holds them."""
+    return next(t for t in ROW_TILES if rows <= t)
 
 
 def gemv_configs(n: int, k: int, sms: int = 132) -> list[GemvConfig]:
@@ -192,7 +200,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvC
     kernel = _kernel()
     args = (x, w, b if b is not None else w, y, m, n, k, chunk, ahead, x.stride(0), x.stride(1), w.stride(0),
             w.stride(1))
-    meta = dict(HAS_BIAS=b is not None, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+    meta = dict(HAS_BIAS=b is not None, BLOCK_M=row_tile(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 SPLIT=cfg.split_k > 1, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=prefetch,
                 ELEM=es, PF=max(1, 32 * cfg.num_warps // cfg.block_n), num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
@@ -212,7 +220,8 @@ def _can_prefetch(w: torch.Tensor) -> bool:
 
 
 _TUNED: dict[tuple, GemvConfig | None] = {}  # (rows, N, K, dtype, bias, device index) -> config or None
-_WINNERS: dict[tuple, GemvConfig | None] = {}  # (N, K, dtype, bias, device index) -> the weight's fastest config
+# (row tile, N, K, dtype, bias, device index) -> the weight's fastest config at that tile
+_WINNERS: dict[tuple, GemvConfig | None] = {}
 _TUNE_LOCK = threading.Lock()
 _STATS_LOCK = threading.Lock()
 _BUSY = object()  # with wait=False: another process holds the file lock of the tune we need
@@ -265,12 +274,13 @@ def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait
         return configs[0]
     store = TuningStore.default("gemv")
     weights = TuningStore(store.folder / "weights") if store is not None else None  # ``rm -r`` clears both
-    fields, wfields = _fields(key, gpu, sms, configs), _weight_fields(key[1:], gpu, sms, configs)
+    wkey = (row_tile(key[0]), *key[1:])
+    fields, wfields = _fields(key, gpu, sms, configs), _weight_fields(wkey, gpu, sms, configs)
 
     made_once = functools.cache(tensors)  # the random tensors: made once, and only when something is timed
 
     def decide() -> GemvConfig | None:  # under the row count's file lock, then the weight's: always that order
-        best = _recall(_WINNERS, key[1:], weights, wfields, configs, wait,
+        best = _recall(_WINNERS, wkey, weights, wfields, configs, wait,
                        lambda: _tune_weight(*made_once(), configs))
         return best if best is None or best is _BUSY else _tune(*made_once(), best)  # None: no config ran
 
@@ -281,8 +291,8 @@ def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait
             cfg = _load(store, fields, configs)
             if cfg is not MISSING:
                 return _TUNED.setdefault(key, cfg)
-            best = _WINNERS[key[1:]] if key[1:] in _WINNERS else _load(weights, wfields, configs)
-            return configs[0] if best is MISSING else _WINNERS.setdefault(key[1:], best)
+            best = _WINNERS[wkey] if wkey in _WINNERS else _load(weights, wfields, configs)
+            return configs[0] if best is MISSING else _WINNERS.setdefault(wkey, best)
         cfg = _recall(_TUNED, key, store, fields, configs, wait, decide)
     return None if cfg is _BUSY else cfg  # _BUSY: another process is tuning it; the op's first call waits
 
@@ -344,8 +354,8 @@ def _triton_version() -> str | None:
 
 def _weight_fields(wkey: tuple, gpu: str, sms: int, configs: list[GemvConfig]) -> dict:
     """A stored winner's key: everything that changes which config is fastest for the weight."""
-    n, k, dtype, bias, _ = wkey  # not the device index: ranks on other GPUs of the model share it
-    return {"kernel": "gemv", "level": "weight", "timed_rows": MAX_ROWS, "gpu": gpu, "sms": sms,
+    tile, n, k, dtype, bias, _ = wkey  # not the device index: ranks on other GPUs of the model share it
+    return {"kernel": "gemv", "level": "weight", "timed_rows": tile, "gpu": gpu, "sms": sms,
             "torch": torch.__version__, "triton": _triton_version(), "source": _source_hash(),
             "configs": hashlib.sha256(repr(configs).encode()).hexdigest()[:16],
             "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "bias": bool(bias)}
@@ -354,7 +364,7 @@ def _weight_fields(wkey: tuple, gpu: str, sms: int, configs: list[GemvConfig]) -
 def _fields(key: tuple, gpu: str, sms: int, configs: list[GemvConfig]) -> dict:
     """A stored result's key: the weight's (``_weight_fields``) and the rows. The ``level`` field
     keeps the two kinds of record apart, and records of the one-level tuner (no ``level``) unread."""
-    return {**_weight_fields(key[1:], gpu, sms, configs), "level": "rows", "rows": key[0]}
+    return {**_weight_fields((row_tile(key[0]), *key[1:]), gpu, sms, configs), "level": "rows", "rows": key[0]}
 
 
 def _parse(value, configs: list[GemvConfig]) -> GemvConfig | None:
@@ -414,13 +424,15 @@ def _time(fn, what: object, w: torch.Tensor) -> float:
 
 def _tune_weight(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                  configs: list[GemvConfig]) -> GemvConfig | None:
-    """The fastest of ``configs`` for ``w`` (None: none ran), timed at ``MAX_ROWS`` random rows
-    like ``x``'s. One row count stands for all: the kernel pads the rows to its 16-row tile
-    (masked loads and stores), so every row count streams the same weight in the same tiles and
-    one config is fastest for all (up to noise); the full tile is the most work any of them does."""
-    if x.shape[0] != MAX_ROWS:
+    """The fastest of ``configs`` for ``w`` (None: none ran), timed at as many random rows as
+    ``x``'s row tile holds. One row count stands for all of a tile: the kernel pads the rows to its
+    tile (masked loads and stores), so every row count of a tile streams the same weight in the
+    same tiles and one config is fastest for all (up to noise); the full tile is the most work any
+    of them does."""
+    tile = row_tile(x.shape[0])
+    if x.shape[0] != tile:
         g = torch.Generator(x.device).manual_seed(0)
-        x = torch.randn(MAX_ROWS, x.shape[1], dtype=x.dtype, device=x.device, generator=g)
+        x = torch.randn(tile, x.shape[1], dtype=x.dtype, device=x.device, generator=g)
     t0 = time.perf_counter()
     _precompile(x, w, b, configs)
     t1 = time.perf_counter()
