@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -119,64 +120,7 @@ def gemv_configs(n: int, k: int, sms: int = 132) -> list[GemvConfig]:
 
 @functools.cache
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    # M (rows) is a plain argument, not specialised on its value (Triton would otherwise compile
-    # apart for M == 1 and M == 16), and the number of K slices is the grid's: one binary per
-    # tiling, split or not, and K's evenness serves every row count, so tuning compiles ~30
-    # binaries for a model's five weights, not ~100.
-    @triton.jit(do_not_specialize=["M", "prefetch"])
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk,
-                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                    ELEM: tl.constexpr, PF: tl.constexpr):
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rm = tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        k_lo = pid_k * chunk
-        if PDL:  # (kernels/pdl.py) nothing the kernels ahead write is read or written before the wait
-            if PREFETCH:  # the first ``prefetch`` elements of this program's rows of its K slice, into L2,
-                # in PF parts a row (one bulk prefetch per thread; a part past the end moves nothing)
-                part = ((prefetch + PF - 1) // PF + 7) // 8 * 8
-                start = k_lo + tl.arange(0, PF) * part
-                size = tl.minimum(part, tl.minimum(k_lo + prefetch, K) - start)
-                size = tl.where(size > 0, size * ELEM, 0).to(tl.int32)
-                rows = tl.minimum(rn, N - 1)
-                tl.inline_asm_elementwise(
-                    "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r",
-                    [w_ptr + rows[:, None] * swn + tl.minimum(start, K - 8)[None, :],
-                     tl.zeros([BLOCK_N, PF], tl.int32) + size[None, :]], dtype=tl.int32, is_pure=False, pack=1)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        x_ptrs = x_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk
-        w_ptrs = w_ptr + rn[:, None] * swn + (k_lo + rk)[None, :] * swk
-        m_ok = rm[:, None] < M
-        n_ok = rn[:, None] < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, chunk, BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
-                w = tl.load(w_ptrs, mask=n_ok, other=0.0)
-            else:
-                k_ok = (k_lo + kk + rk)[None, :] < K
-                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
-                w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-            x_ptrs += BLOCK_K * sxk
-            w_ptrs += BLOCK_K * swk
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-            acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
-        y_ptrs = y_ptr + rm[:, None] * N + rn[None, :]
-        y_ok = m_ok & (rn[None, :] < N)
-        if not SPLIT:
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
-        else:
-            tl.atomic_add(y_ptrs, acc, mask=y_ok)
+    from shapewise.library.kernels._gemv_jit import gemv_kernel
 
     return gemv_kernel
 
@@ -334,7 +278,8 @@ def _capturing() -> bool:
 @functools.cache
 def _source_hash() -> str:
     """A hash of the code whose timing a stored result records (kernel, launch, tuner)."""
-    h = hashlib.sha256()
+    # (the kernel's file is read, not imported: importing it imports Triton)
+    h = hashlib.sha256(_JIT_SOURCE.read_bytes())
     for fn in _TIMED_CODE:
         try:
             h.update(inspect.getsource(fn).encode())
@@ -481,7 +426,8 @@ def tuning_stats() -> dict[str, float]:
         return dict(_STATS)
 
 
-_TIMED_CODE = (_kernel.__wrapped__, _launch, _tune_weight, _tune)  # what ``_source_hash`` covers, bound at import
+_TIMED_CODE = (_launch, _tune_weight, _tune)  # what ``_source_hash`` covers, bound at import
+_JIT_SOURCE = Path(__file__).with_name("_gemv_jit.py")
 _MAX_OFFSET = 2**31 - 1  # the kernel's pointer offsets are 32-bit
 
 

@@ -1,0 +1,66 @@
+"""The Triton kernel of ``shapewise::gemv`` (``gemv.py`` says what it computes, how it is launched
+and tuned); imported on the first launch, so that importing shapewise does not import Triton. Without Triton
+it defines nothing (the op runs ``F.linear``: ``_fast_path``)."""
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+if triton is not None:
+    # M (rows) is a plain argument, not specialised on its value (Triton would otherwise compile
+    # apart for M == 1 and M == 16), and the number of K slices is the grid's: one binary per
+    # tiling, split or not, and K's evenness serves every row count, so tuning compiles ~30
+    # binaries for a model's five weights, not ~100.
+    @triton.jit(do_not_specialize=["M", "prefetch"])
+    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                    ELEM: tl.constexpr, PF: tl.constexpr):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        k_lo = pid_k * chunk
+        if PDL:  # (kernels/pdl.py) nothing the kernels ahead write is read or written before the wait
+            if PREFETCH:  # the first ``prefetch`` elements of this program's rows of its K slice, into L2,
+                # in PF parts a row (one bulk prefetch per thread; a part past the end moves nothing)
+                part = ((prefetch + PF - 1) // PF + 7) // 8 * 8
+                start = k_lo + tl.arange(0, PF) * part
+                size = tl.minimum(part, tl.minimum(k_lo + prefetch, K) - start)
+                size = tl.where(size > 0, size * ELEM, 0).to(tl.int32)
+                rows = tl.minimum(rn, N - 1)
+                tl.inline_asm_elementwise(
+                    "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
+                    "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r",
+                    [w_ptr + rows[:, None] * swn + tl.minimum(start, K - 8)[None, :],
+                     tl.zeros([BLOCK_N, PF], tl.int32) + size[None, :]], dtype=tl.int32, is_pure=False, pack=1)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x_ptrs = x_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk
+        w_ptrs = w_ptr + rn[:, None] * swn + (k_lo + rk)[None, :] * swk
+        m_ok = rm[:, None] < M
+        n_ok = rn[:, None] < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, chunk, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok, other=0.0)
+            else:
+                k_ok = (k_lo + kk + rk)[None, :] < K
+                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
+            acc += tl.dot(x, tl.trans(w))
+            x_ptrs += BLOCK_K * sxk
+            w_ptrs += BLOCK_K * swk
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+            acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
+        y_ptrs = y_ptr + rm[:, None] * N + rn[None, :]
+        y_ok = m_ok & (rn[None, :] < N)
+        if not SPLIT:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+        else:
+            tl.atomic_add(y_ptrs, acc, mask=y_ok)
