@@ -20,6 +20,12 @@ weights) that fits the same way becomes ``shapewise::gemv_group``: the kernel ov
 concatenation, as ``linear_group`` does). Run DecodeGemv after FuseProjections
 (``compile_generate`` puts FuseProjections first).
 
+A linear of ``silu(gate) * up`` (a gated MLP's down projection: Llama's, Qwen's, Mistral's) becomes
+``shapewise::gemv_glu(gate, up, W, b)``: the kernel computes the activation as it loads its input,
+so the activation's kernel and its output's round trip through memory are gone (``glu=False``
+keeps them); where ``gate`` and ``up`` are FuseProjections' split halves of one matmul, the kernel
+reads them in place.
+
 ``pdl=True``: the kernels are launched with programmatic dependent launch where the GPU has it
 (``kernels/pdl.py``: each starts while the kernel ahead finishes, prefetching its weight into L2);
 the choice between the kernel and cuBLAS is still made by timing each alone.
@@ -33,12 +39,14 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from shapewise._compat import fake_mode_active, node_value
 from shapewise.errors import ConfigError
@@ -47,7 +55,7 @@ from shapewise.errors import ConfigError
 from shapewise.library.fuse_projections import _backward as _group_backward
 from shapewise.library.fuse_projections import _joined
 from shapewise.library.fuse_projections import _setup_context as _group_setup
-from shapewise.library.kernels.gemv import MAX_ROWS, gemv, triton_gemv_available, tune
+from shapewise.library.kernels.gemv import MAX_ROWS, _fast_path, _launch, gemv, gemv_config, triton_gemv_available, tune
 from shapewise.library.patterns import match_linear
 from shapewise.passes.base import register_pass
 from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
@@ -106,17 +114,64 @@ def _gemv_group_backward(ctx, grad):
 gemv_group.register_autograd(_gemv_group_backward, setup_context=_gemv_group_setup)
 
 
+@torch.library.custom_op("shapewise::gemv_glu", mutates_args=())
+def gemv_glu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor:
+    """``F.linear(F.silu(gate) * up, weight, bias)`` (a gated MLP's down projection): the kernel
+    computes the activation as it loads it, where it runs (``gate`` and ``up`` of one shape and
+    strides) and the tuning chose it for the weight; else the three ops."""
+    if _fast_path(gate, weight, bias) and up.shape == gate.shape and up.stride() == gate.stride() \
+            and up.dtype == gate.dtype and up.device == gate.device:
+        g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+        if g2.stride() == u2.stride():
+            with torch.cuda.device(gate.device):
+                cfg = gemv_config(g2, weight, bias)
+                if cfg is not None:
+                    y = _launch(g2, weight, bias, cfg, pdl=pdl, up=u2)
+                    return y.reshape(*gate.shape[:-1], weight.shape[0])
+    return F.linear(F.silu(gate) * up, weight, bias)
+
+
+@gemv_glu.register_fake
+def _(gate, up, weight, bias=None, pdl=False):
+    torch._check(gate.shape == up.shape, lambda: f"shapewise::gemv_glu: gate {tuple(gate.shape)} and up "
+                                                 f"{tuple(up.shape)} differ")
+    torch._check(weight.dim() == 2 and gate.shape[-1] == weight.shape[1],
+                 lambda: f"shapewise::gemv_glu: weight {tuple(weight.shape)} does not take gate {tuple(gate.shape)}")
+    return gate.new_empty((*gate.shape[:-1], weight.shape[0]))
+
+
+def _glu_setup(ctx, inputs, output) -> None:
+    gate, up, weight, bias, _ = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.has_bias = bias is not None
+
+
+def _glu_backward(ctx, grad):
+    gate, up, weight = ctx.saved_tensors
+    with torch.enable_grad():
+        g, u, w = (t.detach().requires_grad_(True) for t in (gate, up, weight))
+        y = F.linear(F.silu(g) * u, w)
+    grads = torch.autograd.grad(y, (g, u, w), grad)
+    gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+    return (*grads, gb, None)
+
+
+gemv_glu.register_autograd(_glu_backward, setup_context=_glu_setup)
+
+
 @register_pass
 @dataclass(frozen=True)
 class DecodeGemv(GraphPass):
     """Linear layers with at most ``max_tokens`` rows at a static size -> ``shapewise::gemv``."""
 
     name: ClassVar[str] = "decode_gemv"
-    version: ClassVar[int] = 3  # 2: linear_group -> gemv_group; 3: pdl
+    version: ClassVar[int] = 4  # 2: linear_group -> gemv_group; 3: pdl; 4: glu
     max_tokens: int = 16
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
     pdl: bool = False  # the kernels launched with programmatic dependent launch (kernels/pdl.py)
+    glu: bool = True  # a linear of silu(gate) * up -> shapewise::gemv_glu (the activation in the kernel)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not (
@@ -156,13 +211,20 @@ class DecodeGemv(GraphPass):
             if shape is None:
                 continue
             shapes.append(shape)
+            pdl = (True,) if self.pdl else ()
+            gated = _gated(x) if self.glu else None
             with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(op, (x, weight, bias, *((True,) if self.pdl else ())))
+                if gated is None:
+                    new = gm.graph.call_function(op, (x, weight, bias, *pdl))
+                else:
+                    new = gm.graph.call_function(torch.ops.shapewise.gemv_glu.default, (*gated, weight, bias, *pdl))
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             if transpose is not None and not transpose.users:
                 gm.graph.erase_node(transpose)
+            if gated is not None:
+                _erase_unused(gm.graph, x)
         gm.recompile()
         _tune_ahead(shapes)
         return PassResult(gm, bool(shapes))
@@ -199,6 +261,48 @@ class DecodeGemv(GraphPass):
         rows = sum(sizes.evaluate(v.shape[0]) for v in values)
         packed = torch.empty((rows, sizes.evaluate(first.shape[1])), dtype=first.dtype, device="meta")
         return self._fits(node, x, packed, bool(biases), sizes)
+
+
+_SILU = (F.silu, torch._C._nn.silu)
+_MUL = (operator.mul, torch.mul)
+
+
+def _gated(x: Any) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(gate, up) when ``x`` is ``silu(gate) * up`` (in either order, read by nothing else), with a
+    ``.contiguous()`` on either left out (FuseProjections' split halves: the kernel reads them in
+    place); else None."""
+    if not (isinstance(x, torch.fx.Node) and x.op == "call_function" and x.target in _MUL and len(x.args) == 2
+            and not x.kwargs and len(x.users) == 1):
+        return None
+    for s, up in (x.args, x.args[::-1]):
+        if (isinstance(s, torch.fx.Node) and s.op == "call_function" and s.target in _SILU and len(s.users) == 1
+                and len(s.args) == 1 and not s.kwargs.get("inplace", False) and isinstance(up, torch.fx.Node)):
+            gate, up = _in_place(s.args[0]), _in_place(up)
+            gv, uv = node_value(gate), node_value(up)
+            if isinstance(gv, torch.Tensor) and isinstance(uv, torch.Tensor) and gv.shape == uv.shape \
+                    and gv.dtype == uv.dtype:
+                return gate, up
+    return None
+
+
+def _in_place(node: torch.fx.Node) -> torch.fx.Node:
+    """``t`` for ``t.contiguous()``, else the node."""
+    if node.op == "call_method" and node.target == "contiguous" and len(node.args) == 1 and not node.kwargs \
+            and isinstance(node.args[0], torch.fx.Node):
+        return node.args[0]
+    return node
+
+
+def _erase_unused(graph: torch.fx.Graph, product: torch.fx.Node) -> None:
+    """The product ``silu(gate) * up`` (now unread), its silu, and a ``.contiguous()`` left out."""
+    silu = next(a for a in product.args if a.op == "call_function" and a.target in _SILU)
+    around = [a for a in (*product.args, *silu.args) if isinstance(a, torch.fx.Node) and a is not silu
+              and a.op == "call_method" and a.target == "contiguous"]
+    graph.erase_node(product)
+    graph.erase_node(silu)
+    for node in around:
+        if not node.users:
+            graph.erase_node(node)
 
 
 def _tune_ahead(shapes: list[tuple]) -> None:

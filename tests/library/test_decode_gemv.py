@@ -237,9 +237,11 @@ def test_a_transformers_llama_is_rewritten_at_decode_sizes_and_answers_as_eager(
         for piece in runnable.program.compute_pieces:
             for v in piece.variants:
                 gm = v.gm if v.gm is not None else piece.gm
-                gemvs[v.binding.key or ("fixed",)] = gm.code.count("torch.ops.shapewise.gemv")
-    # q, k, v, o, gate, up, down per layer (2 layers) and the head: 15 at 1 and 4 tokens, none at 8
-    assert sorted(gemvs.values()) == [0, 15, 15], gemvs
+                gemvs[v.binding.key or ("fixed",)] = (gm.code.count("torch.ops.shapewise.gemv"),
+                                                      gm.code.count("torch.ops.shapewise.gemv_glu"))
+    # q, k, v, o, gate, up, down per layer (2 layers) and the head: 15 at 1 and 4 tokens (each down
+    # projection with its silu(gate) * up), none at 8
+    assert sorted(gemvs.values()) == [(0, 0), (15, 2), (15, 2)], gemvs
 
 
 def test_pdl_is_an_argument_of_the_ops_the_pass_writes_and_a_no_op_off_the_gpu():
@@ -300,3 +302,65 @@ def test_a_chain_of_pdl_launches_in_a_cuda_graph_reads_what_the_kernel_ahead_wro
         torch.cuda.synchronize()
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 2e-2, err
+
+
+class GatedMlp(nn.Module):
+    def __init__(self, dim: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_gated_mlps_down_projection_takes_its_activation_into_the_kernel(fused):
+    # silu(gate) * up, then down: one gemv_glu (the product and the silu gone), with FuseProjections'
+    # split halves read in place (their .contiguous() left out); glu=False keeps the three ops.
+    torch.manual_seed(0)
+    model = GatedMlp()
+    passes = [*([sw.library.FuseProjections()] if fused else []), sw.library.DecodeGemv(**CPU)]
+    fast = sw.compile(model, sizes=[1, 3], backend="aot_eager", graph_passes=passes)
+    plain = sw.compile(model, sizes=[1, 3], backend="aot_eager",
+                       graph_passes=[*passes[:-1], sw.library.DecodeGemv(glu=False, **CPU)])
+    with torch.no_grad():
+        for n in (1, 3):
+            x = torch.randn(n, 32)
+            assert_same(fast(x), model(x), f"n={n}")
+            assert_same(plain(x), model(x), f"n={n}, glu=False")
+    code = next(v.gm for r in fast.runnables for p in r.program.compute_pieces for v in p.variants).code
+    assert code.count("shapewise.gemv_glu.default") == 1 and "silu" not in code and "contiguous" not in code, code
+    plain_code = next(v.gm for r in plain.runnables for p in r.program.compute_pieces for v in p.variants).code
+    assert "gemv_glu" not in plain_code and "silu" in plain_code
+
+
+def test_gemv_glu_is_the_three_ops_and_trains():
+    torch.manual_seed(0)
+    gate, up = torch.randn(2, 3, 16, requires_grad=True), torch.randn(2, 3, 16, requires_grad=True)
+    w, b = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
+    got = torch.ops.shapewise.gemv_glu(gate, up, w, b)
+    want = F.linear(F.silu(gate) * up, w, b)
+    assert_same(got, want, "forward")
+    grads = torch.autograd.grad(got.square().sum(), (gate, up, w, b))
+    for g, r in zip(grads, torch.autograd.grad(want.square().sum(), (gate, up, w, b))):
+        assert_same(g, r, "backward")
+    torch.library.opcheck(torch.ops.shapewise.gemv_glu.default, (gate.detach(), up.detach(), w.detach(), b.detach()))
+
+
+@pytest.mark.gpu
+def test_the_glu_kernel_matches_float64_on_split_halves():
+    from shapewise.library.kernels.gemv import _launch
+
+    torch.manual_seed(0)
+    for m, k, n in ((1, 8192, 2048), (5, 1000, 300), (16, 11008, 4096)):
+        both = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+        gate, up = both.split(k, -1)  # views with the packed row stride, as FuseProjections' halves
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        ref = F.linear(F.silu(gate.double()) * up.double(), w.double())
+        for cfg in gemv_configs(n, k)[:4]:
+            y = _launch(gate, w, None, cfg, up=up)
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-2, (m, k, n, str(cfg), err)
+        y = torch.ops.shapewise.gemv_glu(gate, up, w)
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2

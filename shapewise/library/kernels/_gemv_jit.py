@@ -14,10 +14,10 @@ if triton is not None:
     # tiling, split or not, and K's evenness serves every row count, so tuning compiles ~30
     # binaries for a model's five weights, not ~100.
     @triton.jit(do_not_specialize=["M", "prefetch"])
-    def gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk,
+    def gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                    ELEM: tl.constexpr, PF: tl.constexpr):
+                    ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -40,18 +40,24 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         x_ptrs = x_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk
+        u_ptrs = u_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk  # GLU: the up half (x's strides)
         w_ptrs = w_ptr + rn[:, None] * swn + (k_lo + rk)[None, :] * swk
         m_ok = rm[:, None] < M
         n_ok = rn[:, None] < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, chunk, BLOCK_K):
             if EVEN_K:
-                x = tl.load(x_ptrs, mask=m_ok, other=0.0)
+                x_ok = m_ok
                 w = tl.load(w_ptrs, mask=n_ok, other=0.0)
             else:
                 k_ok = (k_lo + kk + rk)[None, :] < K
-                x = tl.load(x_ptrs, mask=m_ok & k_ok, other=0.0)
+                x_ok = m_ok & k_ok
                 w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            if GLU:  # x is silu(gate) * up, in float32 and rounded once (as Inductor's fused kernel does)
+                g = x.to(tl.float32)
+                x = (g / (1.0 + tl.exp(-g)) * tl.load(u_ptrs, mask=x_ok, other=0.0).to(tl.float32)).to(w.dtype)
+                u_ptrs += BLOCK_K * sxk
             acc += tl.dot(x, tl.trans(w))
             x_ptrs += BLOCK_K * sxk
             w_ptrs += BLOCK_K * swk

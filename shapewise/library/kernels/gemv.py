@@ -126,9 +126,11 @@ def _kernel():
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig, *,
-            warmup: bool = False, pdl: bool = False) -> torch.Tensor | None:
+            warmup: bool = False, pdl: bool = False, up: torch.Tensor | None = None) -> torch.Tensor | None:
     """Run ``cfg`` on (x, w, b); ``warmup=True`` only compiles its binary (nothing runs).
-    ``pdl``: with programmatic dependent launch where the device has it (``kernels/pdl.py``)."""
+    ``pdl``: with programmatic dependent launch where the device has it (``kernels/pdl.py``).
+    ``up`` (x's shape and strides): the product of ``silu(x) * up`` and ``w`` (a gated MLP's down
+    projection, its activation computed as the kernel loads it)."""
     m, k = x.shape
     n = w.shape[0]
     pdl = pdl and pdl_supported(x.device)
@@ -142,11 +144,11 @@ def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvC
     prefetch = pdl and _can_prefetch(w)
     ahead = prefetch_elements(x.device, n, cfg.split_k, chunk, es) if prefetch else 0
     kernel = _kernel()
-    args = (x, w, b if b is not None else w, y, m, n, k, chunk, ahead, x.stride(0), x.stride(1), w.stride(0),
-            w.stride(1))
+    args = (x, up if up is not None else x, w, b if b is not None else w, y, m, n, k, chunk, ahead, x.stride(0),
+            x.stride(1), w.stride(0), w.stride(1))
     meta = dict(HAS_BIAS=b is not None, BLOCK_M=row_tile(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 SPLIT=cfg.split_k > 1, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=prefetch,
-                ELEM=es, PF=max(1, 32 * cfg.num_warps // cfg.block_n), num_warps=cfg.num_warps,
+                ELEM=es, PF=max(1, 32 * cfg.num_warps // cfg.block_n), GLU=up is not None, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
     if pdl:
         meta["launch_pdl"] = True
