@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                       graph_passes=[sw.library.DecodeGemv(max_tokens=64, pdl=True)]), tokens)
         run("shapewise full cudagraph+DecodeGemv64",
             shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=64)]), tokens)
+        run("shapewise full cudagraph+DecodeGemv+GLU",
+            shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=16, glu=True)]), tokens)
         run("shapewise static+max_autotune+cudagraphs",
             shapewise(sizes=at_tokens, static_options={"max_autotune": True}, cudagraphs=True), at_tokens)
 

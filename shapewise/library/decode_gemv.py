@@ -20,11 +20,13 @@ weights) that fits the same way becomes ``shapewise::gemv_group``: the kernel ov
 concatenation, as ``linear_group`` does). Run DecodeGemv after FuseProjections
 (``compile_generate`` puts FuseProjections first).
 
-A linear of ``silu(gate) * up`` (a gated MLP's down projection: Llama's, Qwen's, Mistral's) becomes
-``shapewise::gemv_glu(gate, up, W, b)``: the kernel computes the activation as it loads its input,
-so the activation's kernel and its output's round trip through memory are gone (``glu=False``
-keeps them); where ``gate`` and ``up`` are FuseProjections' split halves of one matmul, the kernel
-reads them in place.
+With ``glu=True``, a linear of ``silu(gate) * up`` (a gated MLP's down projection: Llama's, Qwen's,
+Mistral's) becomes ``shapewise::gemv_glu(gate, up, W, b)``: the kernel computes the activation as it
+loads its input, so the activation's kernel and its output's round trip through memory are gone;
+where ``gate`` and ``up`` are FuseProjections' split halves of one matmul, the kernel reads them in
+place. Off by default: in its first measurement (benchmarks/results/h200_20261205b) a 7B-sized
+stack's full graph with DecodeGemv took 2.4x its cuBLAS time, and the kernel is tuned without the
+activation (cuBLAS may be faster there, and it is never compared).
 
 ``pdl=True``: the kernels are launched with programmatic dependent launch where the GPU has it
 (``kernels/pdl.py``: each starts while the kernel ahead finishes, prefetching its weight into L2);
@@ -171,7 +173,7 @@ class DecodeGemv(GraphPass):
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
     pdl: bool = False  # the kernels launched with programmatic dependent launch (kernels/pdl.py)
-    glu: bool = True  # a linear of silu(gate) * up -> shapewise::gemv_glu (the activation in the kernel)
+    glu: bool = False  # a linear of silu(gate) * up -> shapewise::gemv_glu (the activation in the kernel)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not (

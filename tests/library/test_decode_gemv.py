@@ -175,6 +175,10 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
             assert cfg.split_k == 1 or k >= cfg.split_k * cfg.block_k
     assert any(c.split_k > 1 for c in gemv_configs(4096, 4096))
     assert all(c.split_k == 1 for c in gemv_configs(22016, 4096))
+    for tile in (16, 32, 64):  # every config's pipeline fits the shared memory at its row tile
+        assert all((tile + c.block_n) * c.block_k * 2 * c.num_stages <= 192 << 10 for c in gemv_configs(4096, 4096,
+                                                                                                     tile=tile))
+    assert len(gemv_configs(4096, 4096, tile=64)) >= 6
 
 
 @pytest.mark.gpu
@@ -189,7 +193,9 @@ def test_the_kernel_matches_float64_at_every_config(dtype):
         w = torch.randn(n, k, device="cuda", dtype=dtype)
         b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
         ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-        for cfg in [*gemv_configs(n, k), GemvConfig(16, 128, 4)]:
+        from shapewise.library.kernels.gemv import row_tile
+
+        for cfg in [*gemv_configs(n, k, tile=row_tile(m)), GemvConfig(16, 128, 4)]:
             y = _launch(x, w, b, cfg)
             err = ((y.double() - ref).norm() / ref.norm()).item()
             assert y.shape == (m, n) and y.dtype == dtype and err < 1e-2, (m, n, k, bias, str(cfg), err)
@@ -227,7 +233,7 @@ def test_a_transformers_llama_is_rewritten_at_decode_sizes_and_answers_as_eager(
     config, cls = DECODERS["llama"]
     model = cls(config()).eval()
     fast = sw.compile(model, dynamic_dims={"input_ids": {1: "seq"}}, sizes={"seq": [1, 4, 8]}, backend="aot_eager",
-                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, **CPU)])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, glu=True, **CPU)])
     with torch.no_grad():
         for seq in (1, 4, 8):
             ids = torch.randint(3, 128, (1, seq))
@@ -320,7 +326,7 @@ def test_a_gated_mlps_down_projection_takes_its_activation_into_the_kernel(fused
     # split halves read in place (their .contiguous() left out); glu=False keeps the three ops.
     torch.manual_seed(0)
     model = GatedMlp()
-    passes = [*([sw.library.FuseProjections()] if fused else []), sw.library.DecodeGemv(**CPU)]
+    passes = [*([sw.library.FuseProjections()] if fused else []), sw.library.DecodeGemv(glu=True, **CPU)]
     fast = sw.compile(model, sizes=[1, 3], backend="aot_eager", graph_passes=passes)
     plain = sw.compile(model, sizes=[1, 3], backend="aot_eager",
                        graph_passes=[*passes[:-1], sw.library.DecodeGemv(glu=False, **CPU)])

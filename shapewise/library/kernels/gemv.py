@@ -100,14 +100,22 @@ def row_tile(rows: int) -> int:
     return next(t for t in ROW_TILES if rows <= t)
 
 
-def gemv_configs(n: int, k: int, sms: int = 132) -> list[GemvConfig]:
-    """The candidates tuning times for an [n, k] weight on a GPU of ``sms`` multiprocessors:
-    a few tilings, each with one K slice and, where it has fewer tiles than two per
-    multiprocessor, with enough K slices for that (a power of two, at most 8)."""
+# Shared memory a config's pipeline may take (its stages of x and weight tiles, 2-byte elements): Hopper
+# gives a block 227 KiB; Triton's own needs come on top.
+_SMEM_BUDGET = 192 << 10
+
+
+def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvConfig]:
+    """The candidates tuning times for an [n, k] weight on a GPU of ``sms`` multiprocessors, at
+    row tile ``tile``: a few tilings whose pipeline fits the shared memory at that tile, each with
+    one K slice and, where it has fewer tiles than two per multiprocessor, with enough K slices
+    for that (a power of two, at most 8)."""
     out = []
     for bn, bk, warps, stages in ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 8, 4),
                                   (32, 128, 4, 8), (32, 256, 4, 4), (32, 256, 4, 6), (32, 512, 8, 3),
-                                  (64, 256, 8, 3), (64, 128, 4, 4)):
+                                  (64, 256, 8, 3), (64, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3)):
+        if (tile + bn) * bk * 2 * stages > _SMEM_BUDGET or (tile == 16 and bk == 64):
+            continue  # (the two 64-wide tilings are for the larger tiles only: the 16-row set is as it was)
         splits = [1]
         want = _cdiv(2 * sms, _cdiv(n, bn))
         if want > 1:
@@ -214,7 +222,7 @@ def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait
     if cfg is not False:
         return cfg
     gpu, sms = _device_info(device)
-    configs = gemv_configs(key[1], key[2], sms)
+    configs = gemv_configs(key[1], key[2], sms, row_tile(key[0]))
     if os.environ.get("SHAPEWISE_GEMV_TUNE", "1") == "0":
         _TUNED[key] = configs[0]  # untimed, by request
         return configs[0]
