@@ -257,7 +257,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     ``pdl``: programmatic dependent launch (``sw.library.kernels.pdl``; Hopper and later, else
     ignored): Inductor's kernels (``static_options={"triton.enable_pdl": True}``), the decode
     attention kernel and ``DecodeGemv`` passes given in ``graph_passes`` (as ``pdl=True``) start
-    while the kernel ahead of them finishes.
+    while the kernel ahead of them finishes. Off by default: on the H200 at 1B shapes it changed
+    nothing measurable (a step's GPU time 1059 against 1064 µs; benchmarks/results/h200_20261205b):
+    the GEMMs between those kernels are cuBLAS's, which do not take part.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
