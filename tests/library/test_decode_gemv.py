@@ -271,8 +271,11 @@ def test_pdl_is_an_argument_of_the_ops_the_pass_writes_and_a_no_op_off_the_gpu()
 def test_a_chain_of_pdl_launches_in_a_cuda_graph_reads_what_the_kernel_ahead_wrote(prefetch, monkeypatch):
     """Each GEMV reads the one ahead's output (and one a plain kernel's): launched with PDL, each must
     wait for the kernel ahead, in a CUDA graph replayed on new inputs, split-K configs included."""
-    from shapewise.library.kernels import gemv as gemv_module
+    import importlib
+
     from shapewise.library.kernels.gemv import _launch
+
+    gemv_module = importlib.import_module("shapewise.library.kernels.gemv")  # (the package's ``gemv`` is the op)
     from shapewise.library.kernels.pdl import pdl_supported
 
     if not pdl_supported(torch.device("cuda")):
