@@ -345,6 +345,7 @@ def test_a_gated_mlps_down_projection_takes_its_activation_into_the_kernel(fused
 
 
 def test_gemv_glu_is_the_three_ops_and_trains():
+    import shapewise.library.decode_gemv  # noqa: F401 - registers shapewise::gemv_glu
     torch.manual_seed(0)
     gate, up = torch.randn(2, 3, 16, requires_grad=True), torch.randn(2, 3, 16, requires_grad=True)
     w, b = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
@@ -359,6 +360,7 @@ def test_gemv_glu_is_the_three_ops_and_trains():
 
 @pytest.mark.gpu
 def test_the_glu_kernel_matches_float64_on_split_halves():
+    import shapewise.library.decode_gemv  # noqa: F401 - registers shapewise::gemv_glu
     from shapewise.library.kernels.gemv import _launch
 
     torch.manual_seed(0)
