@@ -24,9 +24,11 @@ With ``glu=True``, a linear of ``silu(gate) * up`` (a gated MLP's down projectio
 Mistral's) becomes ``shapewise::gemv_glu(gate, up, W, b)``: the kernel computes the activation as it
 loads its input, so the activation's kernel and its output's round trip through memory are gone;
 where ``gate`` and ``up`` are FuseProjections' split halves of one matmul, the kernel reads them in
-place. Off by default: in its first measurement (benchmarks/results/h200_20261205b) a 7B-sized
-stack's full graph with DecodeGemv took 2.4x its cuBLAS time, and the kernel is tuned without the
-activation (cuBLAS may be faster there, and it is never compared).
+place. Off by default: on an H100 (benchmarks/results/h200_20261205b/2_h100_check) a 7B-sized
+stack's full graph with it took 1320 µs at 1 and 8 tokens, against 672 and 685 without. The
+kernel is tuned without the activation, and with it ptxas gives the tuned tiling 255 registers and
+spills (167, none, without: a config of 8 stages holds both halves' loads in registers); it needs
+configs of its own, timed against cuBLAS plus the activation's kernel.
 
 ``pdl=True``: the kernels are launched with programmatic dependent launch where the GPU has it
 (``kernels/pdl.py``: each starts while the kernel ahead finishes, prefetching its weight into L2);
