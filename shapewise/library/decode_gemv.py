@@ -59,7 +59,7 @@ from shapewise.errors import ConfigError
 from shapewise.library.fuse_projections import _backward as _group_backward
 from shapewise.library.fuse_projections import _joined
 from shapewise.library.fuse_projections import _setup_context as _group_setup
-from shapewise.library.kernels.gemv import MAX_ROWS, _fast_path, _launch, gemv, gemv_config, triton_gemv_available, tune
+from shapewise.library.kernels.gemv import MAX_ROWS, gemv, run_kernel, triton_gemv_available, tune
 from shapewise.library.patterns import match_linear
 from shapewise.passes.base import register_pass
 from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
@@ -124,16 +124,8 @@ def gemv_glu(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: t
     """``F.linear(F.silu(gate) * up, weight, bias)`` (a gated MLP's down projection): the kernel
     computes the activation as it loads it, where it runs (``gate`` and ``up`` of one shape and
     strides) and the tuning chose it for the weight; else the three ops."""
-    if _fast_path(gate, weight, bias) and up.shape == gate.shape and up.stride() == gate.stride() \
-            and up.dtype == gate.dtype and up.device == gate.device:
-        g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
-        if g2.stride() == u2.stride():
-            with torch.cuda.device(gate.device):
-                cfg = gemv_config(g2, weight, bias)
-                if cfg is not None:
-                    y = _launch(g2, weight, bias, cfg, pdl=pdl, up=u2)
-                    return y.reshape(*gate.shape[:-1], weight.shape[0])
-    return F.linear(F.silu(gate) * up, weight, bias)
+    y = run_kernel(gate, weight, bias, pdl, up=up)
+    return F.linear(F.silu(gate) * up, weight, bias) if y is None else y
 
 
 @gemv_glu.register_fake
@@ -184,9 +176,10 @@ class DecodeGemv(GraphPass):
                               f"give max_tokens between 1 and {MAX_ROWS}")
         object.__setattr__(self, "devices", _names(self.devices, "devices", _device_name))
         object.__setattr__(self, "dtypes", _names(self.dtypes, "dtypes", _dtype_name))
-        if not isinstance(self.pdl, bool):
-            raise ConfigError(f"DecodeGemv(pdl={self.pdl!r}): say True (programmatic dependent launch where the GPU "
-                              "has it) or False")
+        for flag, what in (("pdl", "programmatic dependent launch where the GPU has it"),
+                           ("glu", "silu(gate) * up computed in the down projection's kernel")):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"DecodeGemv({flag}={getattr(self, flag)!r}): say True ({what}) or False")
 
     def applies(self, sizes: Sizes) -> bool:
         return all(isinstance(v, int) for v in sizes.values())

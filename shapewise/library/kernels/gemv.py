@@ -54,7 +54,7 @@ from shapewise.library.kernels.pdl import pdl_supported, prefetch_elements
 from shapewise.library.kernels.store import MISSING, TuningStore
 
 __all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune",
-           "tuning_stats"]
+           "tuning_stats", "run_kernel"]
 
 log = logging.getLogger("shapewise")
 
@@ -148,29 +148,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvC
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     grid = (_cdiv(n, cfg.block_n), cfg.split_k)
     chunk = _cdiv(k, cfg.split_k * cfg.block_k) * cfg.block_k  # each program's slice of K
-    es = w.element_size()
-    prefetch = pdl and _can_prefetch(w)
-    ahead = prefetch_elements(x.device, n, cfg.split_k, chunk, es) if prefetch else 0
+    ahead = prefetch_elements(w, cfg.split_k, chunk) if pdl else 0  # 0: no prefetch
     kernel = _kernel()
     args = (x, up if up is not None else x, w, b if b is not None else w, y, m, n, k, chunk, ahead, x.stride(0),
             x.stride(1), w.stride(0), w.stride(1))
     meta = dict(HAS_BIAS=b is not None, BLOCK_M=row_tile(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                SPLIT=cfg.split_k > 1, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=prefetch,
-                ELEM=es, PF=max(1, 32 * cfg.num_warps // cfg.block_n), GLU=up is not None, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
-    if pdl:
-        meta["launch_pdl"] = True
+                SPLIT=cfg.split_k > 1, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=ahead > 0,
+                ELEM=w.element_size(), PF=max(1, 32 * cfg.num_warps // cfg.block_n), GLU=up is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
     if warmup:
         kernel.warmup(*args, grid=grid, **meta)
         return None
     kernel[grid](*args, **meta)
     return y if cfg.split_k == 1 else y.to(x.dtype)
-
-
-def _can_prefetch(w: torch.Tensor) -> bool:
-    """Whether the kernel may bulk-prefetch ``w``'s rows: 16-byte units from 16-byte aligned addresses."""
-    es = w.element_size()
-    return w.stride(1) == 1 and (w.shape[1] * es) % 16 == 0 and w.data_ptr() % 16 == 0 and (w.stride(0) * es) % 16 == 0
 
 
 _TUNED: dict[tuple, GemvConfig | None] = {}  # (rows, N, K, dtype, bias, device index) -> config or None
@@ -458,13 +448,24 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the Triton kernel where it runs (module docstring);
     ``pdl``: launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``)."""
-    if _fast_path(x, weight, bias):
-        x2 = x.reshape(-1, x.shape[-1])
-        with torch.cuda.device(x.device):  # Triton launches on the current device
-            cfg = gemv_config(x2, weight, bias)
-            if cfg is not None:
-                return _launch(x2, weight, bias, cfg, pdl=pdl).reshape(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight, bias)
+    y = run_kernel(x, weight, bias, pdl)
+    return F.linear(x, weight, bias) if y is None else y
+
+
+def run_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool = False,
+               up: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The kernel's ``x @ weight.T (+ bias)`` (of ``silu(x) * up`` where ``up`` is given: x's shape,
+    dtype and strides), or None where it does not run (``F.linear``'s to compute)."""
+    if not _fast_path(x, weight, bias) or up is not None and (up.shape != x.shape or up.dtype != x.dtype
+                                                               or up.device != x.device):
+        return None
+    x2, u2 = x.reshape(-1, x.shape[-1]), None if up is None else up.reshape(-1, up.shape[-1])
+    if u2 is not None and u2.stride() != x2.stride():
+        return None
+    with torch.cuda.device(x.device):  # Triton launches on the current device
+        cfg = gemv_config(x2, weight, bias)
+        return None if cfg is None else _launch(x2, weight, bias, cfg, pdl=pdl, up=u2).reshape(
+            *x.shape[:-1], weight.shape[0])
 
 
 @gemv.register_fake

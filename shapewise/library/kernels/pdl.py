@@ -33,7 +33,7 @@ import os
 
 import torch
 
-__all__ = ["pdl_supported", "prefetch_elements"]
+__all__ = ["can_prefetch", "pdl_supported", "prefetch_elements"]
 
 # At most this share of the L2 is prefetched by one kernel (the rest of its weight streams as
 # usual): a kernel prefetches while the one ahead streams its own weight through the same L2.
@@ -64,12 +64,20 @@ def _l2_bytes(index: int) -> int:
     return torch.cuda.get_device_properties(index).L2_cache_size
 
 
-def prefetch_elements(device: torch.device, rows: int, slices: int, chunk: int, element_size: int) -> int:
-    """Elements of each weight row's K slice (``chunk`` long; ``rows`` rows, ``slices`` slices)
-    that a kernel prefetches into L2 before its wait: all of it where the weight fits in a third
-    of the L2, else the same leading part of every slice (a multiple of 8 elements: the bulk
-    prefetch moves 16-byte units), at least 8."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def can_prefetch(w: torch.Tensor) -> bool:
+    """Whether a kernel may bulk-prefetch ``w``'s rows: 16-byte units from 16-byte aligned addresses."""
+    es = w.element_size()
+    return w.stride(1) == 1 and (w.shape[1] * es) % 16 == 0 and w.data_ptr() % 16 == 0 and (w.stride(0) * es) % 16 == 0
+
+
+def prefetch_elements(w: torch.Tensor, slices: int, chunk: int) -> int:
+    """Elements of each of weight ``w``'s rows' K slices (``chunk`` long, ``slices`` of them) that a
+    kernel prefetches into L2 before its wait: 0 where it cannot (``can_prefetch``), all of the slice
+    where the weight fits in a third of the L2, else the same leading part of every slice (a
+    multiple of 8 elements: the bulk prefetch moves 16-byte units), at least 8."""
+    if not can_prefetch(w):
+        return 0
+    index = w.device.index if w.device.index is not None else torch.cuda.current_device()
     budget = int(_l2_bytes(index) * _L2_SHARE)
-    per_row = budget // max(1, rows * slices * element_size)
+    per_row = budget // max(1, w.shape[0] * slices * w.element_size())
     return max(8, min(chunk, per_row // 8 * 8))
