@@ -3,7 +3,8 @@
 (``pdl=True``: each call starts while the one ahead ends, prefetching its weight), at 1-16 rows,
 on the weight shapes of a 7B Llama
 (``--shapes 1b,8b``: the fused shapes of Llama-3.2-1B and Llama-3.1-8B; ``--all-configs``: every tiling
-timed in the graphs too, to check the tuner's choice).
+timed in the graphs too, to check the tuner's choice; ``--chain 16``: also a chain of that many layers of the
+shapes, each call reading the one before's output, as in a decode step).
 
 Per (weight [N, K], rows M): both contenders are checked against a float64 reference on fresh
 random inputs, then timed as CUDA-graph replays of one call per weight copy, over enough copies
@@ -30,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hardware import cuda_median_us  # noqa: E402
 
-from shapewise.library.kernels.gemv import _launch, gemv_config, gemv_configs  # noqa: E402  (registers shapewise::gemv)
+from shapewise.library.kernels.gemv import _launch, gemv_config, gemv_configs, row_tile  # noqa: E402
 
-# [N, K] per model: o, down, fused qkv, fused gate_up (issue 28's fused shapes for 1b and 8b)
-SHAPES = {"7b": [(4096, 4096), (4096, 11008), (12288, 4096), (22016, 4096)],
+# [N, K] per model, a layer's order: fused qkv, o, fused gate_up, down (issue 28's fused shapes for 1b and 8b)
+SHAPES = {"7b": [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)],
           "1b": [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)],
           "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]}
 
@@ -66,6 +67,51 @@ def time_calls(fn, xs, ws, repeats: int, replays: int = 20) -> float:
     return cuda_median_us(replay_round, repeats, replays * len(ws))
 
 
+def time_chain(shapes, layers: int, rows: int, repeats: int, bw: float) -> list[dict]:
+    """A decode step's GEMVs: ``layers`` layers of ``shapes`` (qkv, o, gate_up, down order: each
+    call's input is the leading K columns of the output ahead, a strided view, as a fused
+    projection's split gives), distinct weights (past L2), in one CUDA graph. Contenders: cuBLAS,
+    the kernel at each weight's tuned config (``gemv_config(linear=False)``), the same with PDL
+    (the weight's first part prefetched while the call ahead runs). µs per layer, of the floor."""
+    dtype = torch.bfloat16
+    order = shapes
+    ws = [[torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for n, k in order] for _ in range(layers)]
+    x0 = torch.randn(rows, order[0][1], device="cuda", dtype=dtype)
+    cfgs = [gemv_config(torch.randn(rows, k, device="cuda", dtype=dtype), w, linear=False)
+            for (n, k), w in zip(order, ws[0])]
+    per_layer = sum((n * k + rows * (n + k)) * 2 for n, k in order)
+
+    def step(call):
+        y = x0
+        for layer in ws:
+            for (_, k), w, cfg in zip(order, layer, cfgs):
+                y = call(y[:, :k], w, cfg)
+        return y
+
+    contenders = {"cublas": lambda x, w, cfg: F.linear(x, w),
+                  "kernel": lambda x, w, cfg: _launch(x, w, None, cfg),
+                  "kernel_pdl": lambda x, w, cfg: _launch(x, w, None, cfg, pdl=True)}
+    ref = step(lambda x, w, cfg: F.linear(x.float(), w.float()).to(dtype))
+    out = []
+    for name, call in contenders.items():
+        got = step(call)
+        err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(call)
+        graph.replay()
+        torch.cuda.synchronize()
+        us = cuda_median_us(lambda: [graph.replay() for _ in range(5)], repeats, 5 * layers)
+        row = {"chain": name, "rows": rows, "layers": layers, "us_per_layer": us, "bytes_per_layer": per_layer,
+               "of_floor": per_layer / (us * 1e-6) / bw, "rel_err_vs_fp32": err,
+               "configs": [str(c) for c in cfgs]}
+        print(f"[chain {rows} row(s), {layers} layers of {order}] {name}: {us:.2f} us/layer "
+              f"({row['of_floor']:.0%} of the floor), err {err:.1e}", flush=True)
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -74,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="7b", help="weight shapes: " + ", ".join(SHAPES) + " (comma-separated)")
     ap.add_argument("--all-configs", action="store_true",
                     help="also time every kernel config in the graphs (the best one, against the tuner's choice)")
+    ap.add_argument("--chain", type=int, default=0, help="also time a chain of this many layers of the shapes")
+    ap.add_argument("--chain-rows", default="1", help="rows of the chain (comma-separated)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     gemv = torch.ops.shapewise.gemv.default
     shapes = [shape for name in args.shapes.split(",") for shape in SHAPES[name]]
+    chains = []
+    for name in args.shapes.split(",") if args.chain else ():
+        for r in (int(r) for r in args.chain_rows.split(",")):
+            chains += [{"model": name, **row} for row in time_chain(SHAPES[name], args.chain, r, args.repeats, bw)]
+            torch.cuda.empty_cache()
+            (out / "results.json").write_text(json.dumps({"env": env, "chains": chains, "results": results}, indent=1))
     for n, k in shapes:
         copies = max(2, -(-4 * props.L2_cache_size // (n * k * 2)))
         ws = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(copies)]
@@ -112,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             row["config"] = str(cfg) if cfg is not None else "F.linear (faster at tuning)"
             if args.all_configs:
                 timed = {}
-                for c in gemv_configs(n, k, props.multi_processor_count):
+                for c in gemv_configs(n, k, props.multi_processor_count, row_tile(m)):
                     try:
                         timed[str(c)] = time_calls(lambda x, w, c=c: _launch(x, w, None, c), xs, ws, args.repeats)
                     except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped
@@ -125,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"gemv {row['shapewise_gemv_us']:7.2f} us ({row['shapewise_gemv_bw_frac']:.0%}) "
                   f"gemv+pdl {row['shapewise_gemv_pdl_us']:7.2f} us ({row['shapewise_gemv_pdl_bw_frac']:.0%}) "
                   f"err {row['shapewise_gemv_err']:.1e} cfg {row['config']}", flush=True)
-            (out / "results.json").write_text(json.dumps({"env": env, "results": results}, indent=1))
+            (out / "results.json").write_text(json.dumps({"env": env, "chains": chains, "results": results}, indent=1))
         del ws
         torch.cuda.empty_cache()
     lines = [f"# Decode GEMV, bf16, on {env['device']}", "",
@@ -141,6 +195,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['cublas_us'] / r['shapewise_gemv_us']:.2f}x | {r['shapewise_gemv_pdl_us']:.2f} | "
                      f"{r['shapewise_gemv_pdl_bw_frac']:.0%} | {r['shapewise_gemv_err']:.1e} | "
                      f"{r['config']} | {best} |")
+    if chains:
+        lines += ["", "Chains: a decode step's GEMVs (qkv, o, gate_up, down a layer, each reading the output ahead), "
+                  "one CUDA graph; the kernel at each weight's tuned config.", "",
+                  "| model | rows | layers | contender | µs/layer | of the floor | rel. err vs fp32 | configs |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {c['model']} | {c['rows']} | {c['layers']} | {c['chain']} | {c['us_per_layer']:.2f} | "
+                  f"{c['of_floor']:.0%} | {c['rel_err_vs_fp32']:.1e} | {', '.join(c['configs'])} |" for c in chains]
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     print(table)

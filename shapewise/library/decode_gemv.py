@@ -60,6 +60,7 @@ from shapewise.library.fuse_projections import _backward as _group_backward
 from shapewise.library.fuse_projections import _joined
 from shapewise.library.fuse_projections import _setup_context as _group_setup
 from shapewise.library.kernels.gemv import MAX_ROWS, gemv, run_kernel, triton_gemv_available, tune
+from shapewise.library.kernels.pdl import pdl_supported
 from shapewise.library.patterns import match_linear
 from shapewise.passes.base import register_pass
 from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
@@ -223,7 +224,7 @@ class DecodeGemv(GraphPass):
             if gated is not None:
                 _erase_unused(gm.graph, x)
         gm.recompile()
-        _tune_ahead(shapes)
+        _tune_ahead(shapes, pdl=self.pdl)
         return PassResult(gm, bool(shapes))
 
     def _fits(self, node: torch.fx.Node, x: Any, wv: Any, bias: bool, sizes: VariantSizes) -> tuple | None:
@@ -302,16 +303,17 @@ def _erase_unused(graph: torch.fx.Graph, product: torch.fx.Node) -> None:
             graph.erase_node(node)
 
 
-def _tune_ahead(shapes: list[tuple]) -> None:
+def _tune_ahead(shapes: list[tuple], pdl: bool = False) -> None:
     """Tune each rewritten shape now, where the kernel runs and tensors are real (the pass also
     runs on CPU graphs and may run under fake tensors); a shape another process is tuning is
-    left to it (``wait=False``)."""
+    left to it (``wait=False``). With ``pdl`` (where the GPU has it): the weights' configs alone, as the
+    op runs them (``shapewise::gemv``)."""
     for rows, n, k, dtype, bias, device in dict.fromkeys(shapes):
         if (device.type != "cuda" or n is None or not triton_gemv_available() or fake_mode_active()
                 or torch.cuda.is_current_stream_capturing()):
             continue
         try:
-            tune(rows, n, k, dtype, bias, device, wait=False)
+            tune(rows, n, k, dtype, bias, device, wait=False, linear=not (pdl and pdl_supported(device)))
         except Exception as e:  # noqa: BLE001 - ahead of time is an optimisation: the op tunes on its first call
             log.warning("shapewise: DecodeGemv could not tune rows=%d weight=[%d, %d] %s at compile time (%s: %s); "
                         "the op tunes it on its first call", rows, n, k, dtype, type(e).__name__, e)

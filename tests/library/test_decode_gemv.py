@@ -275,19 +275,20 @@ def test_a_chain_of_pdl_launches_in_a_cuda_graph_reads_what_the_kernel_ahead_wro
 
     from shapewise.library.kernels.gemv import _launch
 
-    gemv_module = importlib.import_module("shapewise.library.kernels.gemv")  # (the package's ``gemv`` is the op)
+    launch_module = importlib.import_module("shapewise.library.kernels.gemv_launch")
     from shapewise.library.kernels.pdl import pdl_supported
 
     if not pdl_supported(torch.device("cuda")):
         pytest.skip("programmatic dependent launch needs compute capability >= 9.0 and Triton's gdc ops")
     if not prefetch:  # as for a misaligned weight: no bulk prefetch, the wait alone
-        monkeypatch.setattr(gemv_module, "prefetch_elements", lambda *a: 0)
+        monkeypatch.setattr(launch_module, "prefetch_elements", lambda *a: 0)
     torch.manual_seed(0)
     dims = (2048, 3072, 2048, 8192, 2048)
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for k, n in zip(dims, dims[1:])]
     split = [c for c in gemv_configs(2048, 8192) if c.split_k > 1][0]
     cfgs = [gemv_configs(w.shape[0], w.shape[1])[0] for w in ws]
     cfgs[3] = split  # ws[3] is [2048, 8192]: its K in slices summed with atomics
+    cfgs[0] = [c for c in gemv_configs(3072, 2048, tile=4) if c.kernel == "rows"][0]  # the rows kernel, 4 rows
     x = torch.empty(4, dims[0], device="cuda", dtype=torch.bfloat16)
 
     def chain(pdl):
@@ -361,15 +362,16 @@ def test_gemv_glu_is_the_three_ops_and_trains():
 @pytest.mark.gpu
 def test_the_glu_kernel_matches_float64_on_split_halves():
     import shapewise.library.decode_gemv  # noqa: F401 - registers shapewise::gemv_glu
-    from shapewise.library.kernels.gemv import _launch
+    from shapewise.library.kernels.gemv import _launch, row_tile
 
     torch.manual_seed(0)
-    for m, k, n in ((1, 8192, 2048), (5, 1000, 300), (16, 11008, 4096)):
+    for m, k, n in ((1, 8192, 2048), (3, 1000, 300), (5, 1000, 300), (16, 11008, 4096)):
         both = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
         gate, up = both.split(k, -1)  # views with the packed row stride, as FuseProjections' halves
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         ref = F.linear(F.silu(gate.double()) * up.double(), w.double())
-        for cfg in gemv_configs(n, k)[:4]:
+        configs = gemv_configs(n, k, tile=row_tile(m))
+        for cfg in configs[:4] + [c for c in configs if c.kernel == "rows"]:  # (1 and 3 rows: the rows kernel too)
             y = _launch(gate, w, None, cfg, up=up)
             err = ((y.double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (m, k, n, str(cfg), err)

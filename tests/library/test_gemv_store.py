@@ -26,7 +26,7 @@ from shapewise.library.kernels.store import MISSING, TuningStore
 
 gemv = importlib.import_module("shapewise.library.kernels.gemv")  # the package's ``gemv`` is the op
 decode_gemv = importlib.import_module("shapewise.library.decode_gemv")
-SHAPE = dict(rows=2, n=64, k=256, dtype=torch.bfloat16, bias=True)
+SHAPE = dict(rows=10, n=64, k=256, dtype=torch.bfloat16, bias=True)
 
 
 class StandInGpu:
@@ -88,17 +88,17 @@ def test_a_tuned_shape_is_written_once_and_read_back_by_a_fresh_process(store, m
     data = json.loads(path.read_text())
     assert data["value"] == {"block_n": gpu.fastest.block_n, "block_k": gpu.fastest.block_k,
                              "split_k": gpu.fastest.split_k, "num_warps": gpu.fastest.num_warps,
-                             "num_stages": gpu.fastest.num_stages}
+                             "num_stages": gpu.fastest.num_stages, "kernel": gpu.fastest.kernel}
     assert {k: data["key"][k] for k in ("gpu", "rows", "n", "k", "dtype", "bias")} == {
-        "gpu": "Stand-in GPU", "rows": 2, "n": 64, "k": 256, "dtype": "bfloat16", "bias": True}
+        "gpu": "Stand-in GPU", "rows": 10, "n": 64, "k": 256, "dtype": "bfloat16", "bias": True}
     assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest and gpu.tunes == 1  # memory
     monkeypatch.setattr(gemv, "_TUNED", {})  # a process started later: memory empty, disk has it
-    x, w, b = torch.randn(2, 256, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16), torch.ones(64)
+    x, w, b = torch.randn(10, 256, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16), torch.ones(64)
     assert gemv.gemv_config(x, w, b) == gpu.fastest and gpu.tunes == 1
     gpu.linear_ms = 0.5  # F.linear wins a shape of its own: None is stored and read back as None
-    assert gemv.tune(**{**SHAPE, "rows": 3}, device="cpu") is None and gpu.tunes == 2
+    assert gemv.tune(**{**SHAPE, "rows": 11}, device="cpu") is None and gpu.tunes == 2
     monkeypatch.setattr(gemv, "_TUNED", {})
-    assert gemv.tune(**{**SHAPE, "rows": 3}, device="cpu") is None and gpu.tunes == 2
+    assert gemv.tune(**{**SHAPE, "rows": 11}, device="cpu") is None and gpu.tunes == 2
     assert len(_files(store)) == 2
 
 
@@ -193,7 +193,7 @@ def test_processes_sharing_the_folder_tune_a_shape_once(store, monkeypatch):
     assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest and gpu.tunes == 0  # this process reads it too
 
 
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (9, 10, 12, 16)  # one row tile (16): the weight is tuned once for all
 
 
 def _row(rows: int) -> dict:
@@ -217,21 +217,31 @@ def test_a_weights_candidates_are_timed_once_and_each_row_count_times_two(store,
     want = Counter({(cfg, 16): 1 for cfg in configs})  # the 16-row tile's
     want.update({(what, r): 1 for r in ROWS for what in (gpu.fastest, "linear")})
     assert gpu.benched == want
-    assert _delta(before) == {"weights": 1, "weight_timings": len(configs), "shapes": 5, "shape_timings": 10}
-    assert len(_files(store)) == 5 and len(_weight_files(store)) == 1
+    assert _delta(before) == {"weights": 1, "weight_timings": len(configs), "shapes": 4, "shape_timings": 8}
+    assert len(_files(store)) == 4 and len(_weight_files(store)) == 1
+
+
+def test_one_row_and_two_to_four_rows_are_tuned_at_tiles_of_their_own_with_the_rows_kernel(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    assert [gemv.tune(**_row(r), device="cpu") for r in (1, 2, 3, 4, 16)] == [gpu.fastest] * 5
+    for tile in (1, 4, 16):  # every candidate of each tile, once, at the tile's rows (the winner once more:
+        configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132, tile)  # against F.linear at as many rows)
+        assert {cfg: gpu.benched[(cfg, tile)] for cfg in configs} == {cfg: 1 + (cfg == gpu.fastest) for cfg in configs}
+        assert any(c.kernel == "rows" for c in configs) == (tile <= 4)  # the rows kernel runs at 1-4 rows only
+    assert len(_weight_files(store)) == 3 and len(_files(store)) == 5
 
 
 def test_f_linear_can_win_at_some_row_counts_and_the_config_is_chosen_at_the_full_tile(store, monkeypatch):
     configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)
     other = configs[0]  # fastest at one row (never timed there), slower than ``fastest`` at the full tile
     gpu = StandInGpu(monkeypatch, linear_ms=lambda rows: 0.5 if rows == 16 else 5.0,
-                     kernel_ms=lambda cfg, rows: {gpu.fastest: 1.0, other: 0.1 if rows == 1 else 3.0}.get(cfg, 2.0))
+                     kernel_ms=lambda cfg, rows: {gpu.fastest: 1.0, other: 0.1 if rows == 9 else 3.0}.get(cfg, 2.0))
     assert gemv.tune(**_row(16), device="cpu") is None  # cuBLAS wins at 16 rows...
-    assert gemv.tune(**_row(1), device="cpu") == gpu.fastest  # ...not at 1, where the weight's config runs
-    assert gpu.benched[(other, 1)] == 0 and gpu.benched[(other, 16)] == 1
+    assert gemv.tune(**_row(9), device="cpu") == gpu.fastest  # ...not at 9, where the weight's config runs
+    assert gpu.benched[(other, 9)] == 0 and gpu.benched[(other, 16)] == 1
     _forget(monkeypatch)
     benched = sum(gpu.benched.values())
-    assert gemv.tune(**_row(16), device="cpu") is None and gemv.tune(**_row(1), device="cpu") == gpu.fastest
+    assert gemv.tune(**_row(16), device="cpu") is None and gemv.tune(**_row(9), device="cpu") == gpu.fastest
     assert sum(gpu.benched.values()) == benched  # read back from disk
 
 
@@ -251,8 +261,8 @@ def test_a_second_process_times_nothing_and_a_new_row_count_times_only_two(store
     assert (parent.recv() if parent.poll(60) else None) == len(configs) + 2 * len(ROWS)
     proc.join(timeout=30)
     assert [gemv.tune(**_row(r), device="cpu") for r in ROWS] == [gpu.fastest] * len(ROWS) and not gpu.benched
-    assert gemv.tune(**_row(3), device="cpu") == gpu.fastest  # the weight's config from disk
-    assert gpu.benched == Counter({(gpu.fastest, 3): 1, ("linear", 3): 1})
+    assert gemv.tune(**_row(11), device="cpu") == gpu.fastest  # the weight's config from disk
+    assert gpu.benched == Counter({(gpu.fastest, 11): 1, ("linear", 11): 1})
 
 
 @pytest.mark.parametrize("broken", ["{not json", "", '{"format": 1, "key": KEY, "value": {"block_n": 7, "block_k": 3}}',
@@ -276,7 +286,7 @@ def test_a_broken_weight_file_warns_is_timed_again_and_rewritten(store, monkeypa
 def test_records_of_the_one_level_tuner_are_not_read(store, monkeypatch):
     gpu = StandInGpu(monkeypatch)
     configs = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)
-    fields = gemv._fields((2, 64, 256, torch.bfloat16, True, None), "Stand-in GPU", 132, configs)
+    fields = gemv._fields((10, 64, 256, torch.bfloat16, True, None), "Stand-in GPU", 132, configs)
     old = {k: v for k, v in fields.items() if k != "level"}  # a key as the one-level tuner wrote it
     store.save(old, {"block_n": configs[0].block_n, "block_k": configs[0].block_k, "split_k": configs[0].split_k,
                      "num_warps": configs[0].num_warps, "num_stages": configs[0].num_stages})
@@ -289,7 +299,7 @@ def test_inside_a_capture_nothing_is_timed_and_a_known_weight_gives_its_config(s
     _forget(monkeypatch)
     gpu.benched.clear()
     monkeypatch.setattr(gemv, "_capturing", lambda: True)
-    assert gemv.tune(**_row(3), device="cpu") == gpu.fastest  # the weight's config, from disk, untimed...
+    assert gemv.tune(**_row(11), device="cpu") == gpu.fastest  # the weight's config, from disk, untimed...
     assert gemv.tune(**{**SHAPE, "n": 128}, device="cpu") == gemv.gemv_configs(128, SHAPE["k"], 132)[0]
     assert not gpu.benched and not gemv._TUNED  # ...and not remembered for the row count
     assert len(_files(store)) == 1 and len(_weight_files(store)) == 1
@@ -312,7 +322,7 @@ def test_wait_false_leaves_a_weight_another_process_is_tuning_to_it(store, monke
 
 def test_decode_gemv_hands_each_rewritten_shape_to_the_tuner(monkeypatch):
     seen = []
-    monkeypatch.setattr(decode_gemv, "_tune_ahead", lambda shapes: seen.append(shapes))
+    monkeypatch.setattr(decode_gemv, "_tune_ahead", lambda shapes, pdl=False: seen.append(shapes))
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16, bias=False)).to(torch.bfloat16)
     fast = sw.compile(model, sizes=[1, 4, 32], backend="aot_eager",
                       graph_passes=[sw.library.DecodeGemv(max_tokens=4, devices=("cpu",))])
@@ -330,7 +340,10 @@ def test_decode_gemv_tunes_ahead_only_on_cuda_with_triton_and_real_tensors(monke
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     cuda = (1, 64, 32, torch.bfloat16, True, torch.device("cuda", 0))
     decode_gemv._tune_ahead([(1, 64, 32, torch.bfloat16, True, torch.device("cpu")), cuda, cuda])
-    assert tuned == [(cuda, {"wait": False})]
+    assert tuned == [(cuda, {"wait": False, "linear": True})]
+    monkeypatch.setattr(decode_gemv, "pdl_supported", lambda device: True)
+    decode_gemv._tune_ahead([cuda], pdl=True)  # with PDL the op runs the weight's config alone: tuned so
+    assert tuned.pop() == (cuda, {"wait": False, "linear": False})
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -375,3 +388,13 @@ def test_decode_gemv_tunes_at_compile_time_and_a_restart_tunes_nothing(store, mo
         x = torch.randn(2, 512, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(fast(x), model(x), rtol=2e-2, atol=2e-2)
     assert len(timed) == 4
+
+
+def test_without_f_linear_the_weights_config_runs_even_where_f_linear_times_faster(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch, linear_ms=0.1)
+    assert gemv.tune(**SHAPE, device="cpu") is None  # F.linear is faster alone...
+    assert gemv.tune(**SHAPE, device="cpu", linear=False) == gpu.fastest  # ...but asked for the kernel: its config
+    assert gpu.tunes == 1
+    _forget(monkeypatch)
+    gpu.benched.clear()
+    assert gemv.tune(**{**SHAPE, "rows": 13}, device="cpu", linear=False) == gpu.fastest and not gpu.benched  # disk

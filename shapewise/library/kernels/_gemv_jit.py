@@ -9,6 +9,33 @@ except ImportError:
     triton = None
 
 if triton is not None:
+    @triton.jit
+    def _wait_for_producers(w_ptr, rn, k_lo, prefetch, N, K, swn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
+                            ELEM: tl.constexpr, PF: tl.constexpr):
+        """PDL (kernels/pdl.py): prefetch, then wait for the kernels ahead; nothing they write is read or
+        written before the wait. The prefetch: the first ``prefetch`` elements of this program's weight
+        rows ``rn`` from K offset ``k_lo`` on, into L2, in PF parts a row (one bulk prefetch per thread; a
+        part past the end moves nothing)."""
+        if PREFETCH:
+            part = ((prefetch + PF - 1) // PF + 7) // 8 * 8
+            start = k_lo + tl.arange(0, PF) * part
+            size = tl.minimum(part, tl.minimum(k_lo + prefetch, K) - start)
+            size = tl.where(size > 0, size * ELEM, 0).to(tl.int32)
+            rows = tl.minimum(rn, N - 1)
+            tl.inline_asm_elementwise(
+                "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r",
+                [w_ptr + rows[:, None] * swn + tl.minimum(start, K - 8)[None, :],
+                 tl.zeros([BLOCK_N, PF], tl.int32) + size[None, :]], dtype=tl.int32, is_pure=False, pack=1)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _glu(g, u_ptrs, mask):
+        """silu(g) * up in float32, rounded once to g's dtype (as Inductor's fused kernel does)."""
+        gf = g.to(tl.float32)
+        return (gf / (1.0 + tl.exp(-gf)) * tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)).to(g.dtype)
+
     # M (rows) is a plain argument, not specialised on its value (Triton would otherwise compile
     # apart for M == 1 and M == 16), and the number of K slices is the grid's: one binary per
     # tiling, split or not, and K's evenness serves every row count, so tuning compiles ~30
@@ -24,21 +51,8 @@ if triton is not None:
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         k_lo = pid_k * chunk
-        if PDL:  # (kernels/pdl.py) nothing the kernels ahead write is read or written before the wait
-            if PREFETCH:  # the first ``prefetch`` elements of this program's rows of its K slice, into L2,
-                # in PF parts a row (one bulk prefetch per thread; a part past the end moves nothing)
-                part = ((prefetch + PF - 1) // PF + 7) // 8 * 8
-                start = k_lo + tl.arange(0, PF) * part
-                size = tl.minimum(part, tl.minimum(k_lo + prefetch, K) - start)
-                size = tl.where(size > 0, size * ELEM, 0).to(tl.int32)
-                rows = tl.minimum(rn, N - 1)
-                tl.inline_asm_elementwise(
-                    "{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                    "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r",
-                    [w_ptr + rows[:, None] * swn + tl.minimum(start, K - 8)[None, :],
-                     tl.zeros([BLOCK_N, PF], tl.int32) + size[None, :]], dtype=tl.int32, is_pure=False, pack=1)
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        if PDL:
+            _wait_for_producers(w_ptr, rn, k_lo, prefetch, N, K, swn, BLOCK_N, PREFETCH, ELEM, PF)
         x_ptrs = x_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk
         u_ptrs = u_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk  # GLU: the up half (x's strides)
         w_ptrs = w_ptr + rn[:, None] * swn + (k_lo + rk)[None, :] * swk
@@ -54,9 +68,8 @@ if triton is not None:
                 x_ok = m_ok & k_ok
                 w = tl.load(w_ptrs, mask=n_ok & k_ok, other=0.0)
             x = tl.load(x_ptrs, mask=x_ok, other=0.0)
-            if GLU:  # x is silu(gate) * up, in float32 and rounded once (as Inductor's fused kernel does)
-                g = x.to(tl.float32)
-                x = (g / (1.0 + tl.exp(-g)) * tl.load(u_ptrs, mask=x_ok, other=0.0).to(tl.float32)).to(w.dtype)
+            if GLU:  # x is silu(gate) * up
+                x = _glu(x, u_ptrs, x_ok)
                 u_ptrs += BLOCK_K * sxk
             acc += tl.dot(x, tl.trans(w))
             x_ptrs += BLOCK_K * sxk
@@ -70,3 +83,42 @@ if triton is not None:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
         else:
             tl.atomic_add(y_ptrs, acc, mask=y_ok)
+
+    # The one-to-four-row kernel: no tensor cores (a dot pads the rows to 16) and no split-K: each
+    # program takes BLOCK_N (1-8) whole weight rows, loads [BLOCK_N, BLOCK_K] weight tiles with 16-byte
+    # vector loads, multiplies in float32 and sums along K. Small programs, many a multiprocessor: the
+    # bytes in flight come from the number of programs, and no partial sums cross programs (no memset,
+    # atomics or conversion kernel).
+    @triton.jit(do_not_specialize=["M", "prefetch"])
+    def gemv_rows_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, prefetch, sxm, sxk, swn, swk,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                         ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        rm = tl.arange(0, BLOCK_M)
+        if PDL:
+            _wait_for_producers(w_ptr, rn, 0, prefetch, N, K, swn, BLOCK_N, PREFETCH, ELEM, PF)
+        n_ok = rn[:, None] < N
+        m_ok = rm[:, None] < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            if EVEN_K:
+                w = tl.load(w_ptr + rn[:, None] * swn + kk[None, :] * swk, mask=n_ok, other=0.0)
+                x_ok = m_ok
+            else:
+                k_ok = kk[None, :] < K
+                w = tl.load(w_ptr + rn[:, None] * swn + kk[None, :] * swk, mask=n_ok & k_ok, other=0.0)
+                x_ok = m_ok & k_ok
+            x_off = rm[:, None] * sxm + kk[None, :] * sxk
+            x = tl.load(x_ptr + x_off, mask=x_ok, other=0.0)
+            if GLU:
+                x = _glu(x, u_ptr + x_off, x_ok)
+            if BLOCK_M == 1:
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+            else:
+                acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & (rn[None, :] < N))

@@ -4,10 +4,10 @@ that streams the weight once, tuned per weight and row count on the first call.
 At one to sixty-four rows a linear layer is a read of its weight: the arithmetic is small, and
 the time is the weight's bytes over memory bandwidth. cuBLAS picks GEMM tilings for these
 shapes that leave a third to half of the bandwidth unused (see
-``benchmarks/results/gemv_h200``). This kernel gives each program ``BLOCK_N`` weight rows and
-one slice of K (split-K, for weights with few rows, so that every multiprocessor streams), pads
-the rows of ``x`` to a row tile of 16, 32 or 64 (``ROW_TILES``) for the tensor cores, and sums
-split-K partials with float32 atomics.
+``benchmarks/results/gemv_h200``). Two Triton kernels (``gemv_launch.py``) stream the weight once:
+``dot`` pads the rows to a tile of 16, 32 or 64 for the tensor cores (split-K for weights of few
+rows, partials summed with float32 atomics); ``rows``, at one to four rows, sums in float32 on the
+CUDA cores in small programs of whole weight rows.
 
 The op runs the kernel where it can (CUDA, bf16/fp16, a weight whose rows are contiguous, at
 most ``MAX_ROWS`` rows, Triton importable) and ``torch.nn.functional.linear`` everywhere else,
@@ -44,39 +44,20 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from shapewise.library.kernels.pdl import pdl_supported, prefetch_elements
+from shapewise.library.kernels.gemv_launch import MAX_ROWS, ROW_TILES, GemvConfig, _launch, gemv_configs, row_tile
+from shapewise.library.kernels.pdl import pdl_supported
 from shapewise.library.kernels.store import MISSING, TuningStore
 
-__all__ = ["GemvConfig", "MAX_ROWS", "gemv", "gemv_config", "gemv_configs", "triton_gemv_available", "tune",
-           "tuning_stats", "run_kernel"]
+__all__ = ["GemvConfig", "MAX_ROWS", "ROW_TILES", "gemv", "gemv_config", "gemv_configs", "row_tile",
+           "run_kernel", "triton_gemv_available", "tune", "tuning_stats"]
 
 log = logging.getLogger("shapewise")
-
-#: The kernel's row tiles: the rows are padded to the first that holds them (for the tensor cores).
-ROW_TILES = (16, 32, 64)
-#: The most rows the kernel takes; more rows go to ``F.linear``.
-MAX_ROWS = ROW_TILES[-1]
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """One launch configuration: weight rows and K per step, K slices, warps, pipeline stages."""
-
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def __str__(self) -> str:
-        return f"n{self.block_n}.k{self.block_k}.split{self.split_k}.w{self.num_warps}.s{self.num_stages}"
 
 
 @functools.cache
@@ -91,78 +72,6 @@ def triton_gemv_available() -> bool:
     return True
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def row_tile(rows: int) -> int:
-    """The kernel's row tile for ``rows`` rows (at most ``MAX_ROWS``): the first of ``ROW_TILES`` that holds them."""
-    return next(t for t in ROW_TILES if rows <= t)
-
-
-# Shared memory a config's pipeline may take (its stages of x and weight tiles, 2-byte elements): Hopper
-# gives a block 227 KiB; Triton's own needs come on top.
-_SMEM_BUDGET = 192 << 10
-
-
-def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvConfig]:
-    """The candidates tuning times for an [n, k] weight on a GPU of ``sms`` multiprocessors, at
-    row tile ``tile``: a few tilings whose pipeline fits the shared memory at that tile, each with
-    one K slice and, where it has fewer tiles than two per multiprocessor, with enough K slices
-    for that (a power of two, at most 8)."""
-    out = []
-    for bn, bk, warps, stages in ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 8, 4),
-                                  (32, 128, 4, 8), (32, 256, 4, 4), (32, 256, 4, 6), (32, 512, 8, 3),
-                                  (64, 256, 8, 3), (64, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3)):
-        if (tile + bn) * bk * 2 * stages > _SMEM_BUDGET or (tile == 16 and bk == 64):
-            continue  # (the two 64-wide tilings are for the larger tiles only: the 16-row set is as it was)
-        splits = [1]
-        want = _cdiv(2 * sms, _cdiv(n, bn))
-        if want > 1:
-            split = min(8, 1 << (want - 1).bit_length())
-            if k >= split * bk:
-                splits.append(split)
-        out.extend(GemvConfig(bn, bk, s, warps, stages) for s in splits)
-    return out
-
-
-@functools.cache
-def _kernel():
-    from shapewise.library.kernels._gemv_jit import gemv_kernel
-
-    return gemv_kernel
-
-
-def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig, *,
-            warmup: bool = False, pdl: bool = False, up: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Run ``cfg`` on (x, w, b); ``warmup=True`` only compiles its binary (nothing runs).
-    ``pdl``: with programmatic dependent launch where the device has it (``kernels/pdl.py``).
-    ``up`` (x's shape and strides): the product of ``silu(x) * up`` and ``w`` (a gated MLP's down
-    projection, its activation computed as the kernel loads it)."""
-    m, k = x.shape
-    n = w.shape[0]
-    pdl = pdl and pdl_supported(x.device)
-    if cfg.split_k == 1 or warmup:  # a warm-up launches nothing: its output need not be zeroed
-        y = torch.empty((m, n), dtype=x.dtype if cfg.split_k == 1 else torch.float32, device=x.device)
-    else:
-        y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    grid = (_cdiv(n, cfg.block_n), cfg.split_k)
-    chunk = _cdiv(k, cfg.split_k * cfg.block_k) * cfg.block_k  # each program's slice of K
-    ahead = prefetch_elements(w, cfg.split_k, chunk) if pdl else 0  # 0: no prefetch
-    kernel = _kernel()
-    args = (x, up if up is not None else x, w, b if b is not None else w, y, m, n, k, chunk, ahead, x.stride(0),
-            x.stride(1), w.stride(0), w.stride(1))
-    meta = dict(HAS_BIAS=b is not None, BLOCK_M=row_tile(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                SPLIT=cfg.split_k > 1, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=ahead > 0,
-                ELEM=w.element_size(), PF=max(1, 32 * cfg.num_warps // cfg.block_n), GLU=up is not None,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}))
-    if warmup:
-        kernel.warmup(*args, grid=grid, **meta)
-        return None
-    kernel[grid](*args, **meta)
-    return y if cfg.split_k == 1 else y.to(x.dtype)
-
-
 _TUNED: dict[tuple, GemvConfig | None] = {}  # (rows, N, K, dtype, bias, device index) -> config or None
 # (row tile, N, K, dtype, bias, device index) -> the weight's fastest config at that tile
 _WINNERS: dict[tuple, GemvConfig | None] = {}
@@ -175,19 +84,22 @@ def _key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
     return (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, x.device.index)
 
 
-def gemv_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> GemvConfig | None:
+def gemv_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
+                linear: bool = True) -> GemvConfig | None:
     """The config the op uses for these arguments (memory, then disk, then tuned on them; None:
-    ``F.linear`` wins or no config compiled)."""
-    return _config(_key(x, w, b), x.device, lambda: (x, w, b))
+    ``F.linear`` wins or no config compiled). ``linear=False``: the weight's fastest config, never
+    ``F.linear`` (as with ``pdl=True``)."""
+    return _config(_key(x, w, b), x.device, lambda: (x, w, b), linear=linear)
 
 
 def tune(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: bool = False,
-         device: torch.device | str = "cuda", *, wait: bool = True) -> GemvConfig | None:
+         device: torch.device | str = "cuda", *, wait: bool = True, linear: bool = True) -> GemvConfig | None:
     """Tune ``x[rows, k] @ w[n, k].T (+ b[n])`` ahead of the op's first call, on random tensors
     (made with a generator of their own): the config the op will use, from memory or disk when
     some process tuned it already, else timed here and written to disk for the others. With
     ``wait=False`` a shape (or its weight) that another process is tuning right now is left to
-    it (None, at once). Needs the kernel's device (CUDA with Triton); a shape the kernel does not
+    it (None, at once). ``linear=False``: the weight's config alone, never ``F.linear`` (what
+    ``pdl=True`` runs). Needs the kernel's device (CUDA with Triton); a shape the kernel does not
     take (other dtypes, more rows, K < 16) is not timed: None, ``F.linear``."""
     if dtype not in _FAST_DTYPES or not 1 <= rows <= MAX_ROWS or k < 16 or n * k > _MAX_OFFSET:
         return None
@@ -202,42 +114,47 @@ def tune(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: b
 
     on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with torch.no_grad(), on:
-        return _config((rows, n, k, dtype, bias, device.index), device, tensors, wait)
+        return _config((rows, n, k, dtype, bias, device.index), device, tensors, wait, linear)
 
 
-def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait: bool = True) -> GemvConfig | None:
+def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait: bool = True,
+            linear: bool = True) -> GemvConfig | None:
     """Memory, then disk (under the key's file lock), then ``_tune`` of the weight's config (the
-    same three steps, ``_tune_weight`` last) against ``F.linear`` on ``tensors()``."""
-    cfg = _TUNED.get(key, False)
+    same three steps, ``_tune_weight`` last) against ``F.linear`` on ``tensors()``. ``linear=False``:
+    the weight's config alone (the kernel runs even where ``F.linear`` would time faster alone)."""
+    wkey = (row_tile(key[0]), *key[1:])
+    memo, memo_key = (_TUNED, key) if linear else (_WINNERS, wkey)
+    cfg = memo.get(memo_key, False)
     if cfg is not False:
         return cfg
     gpu, sms = _device_info(device)
     configs = gemv_configs(key[1], key[2], sms, row_tile(key[0]))
     if os.environ.get("SHAPEWISE_GEMV_TUNE", "1") == "0":
-        _TUNED[key] = configs[0]  # untimed, by request
+        memo[memo_key] = configs[0]  # untimed, by request
         return configs[0]
     store = TuningStore.default("gemv")
     weights = TuningStore(store.folder / "weights") if store is not None else None  # ``rm -r`` clears both
-    wkey = (row_tile(key[0]), *key[1:])
     fields, wfields = _fields(key, gpu, sms, configs), _weight_fields(wkey, gpu, sms, configs)
 
     made_once = functools.cache(tensors)  # the random tensors: made once, and only when something is timed
 
+    def winner() -> GemvConfig | None:
+        return _recall(_WINNERS, wkey, weights, wfields, configs, wait, lambda: _tune_weight(*made_once(), configs))
+
     def decide() -> GemvConfig | None:  # under the row count's file lock, then the weight's: always that order
-        best = _recall(_WINNERS, wkey, weights, wfields, configs, wait,
-                       lambda: _tune_weight(*made_once(), configs))
+        best = winner()
         return best if best is None or best is _BUSY else _tune(*made_once(), best)  # None: no config ran
 
     with _TUNE_LOCK:
-        if key in _TUNED:
-            return _TUNED[key]
+        if memo_key in memo:
+            return memo[memo_key]
         if _capturing():  # no timing inside a capture: what memory or disk has, else untimed and not remembered
-            cfg = _load(store, fields, configs)
+            cfg = _load(store, fields, configs) if linear else MISSING
             if cfg is not MISSING:
                 return _TUNED.setdefault(key, cfg)
             best = _WINNERS[wkey] if wkey in _WINNERS else _load(weights, wfields, configs)
             return configs[0] if best is MISSING else _WINNERS.setdefault(wkey, best)
-        cfg = _recall(_TUNED, key, store, fields, configs, wait, decide)
+        cfg = _recall(_TUNED, key, store, fields, configs, wait, decide) if linear else winner()
     return None if cfg is _BUSY else cfg  # _BUSY: another process is tuning it; the op's first call waits
 
 
@@ -447,7 +364,8 @@ def _fast_path(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 @torch.library.custom_op("shapewise::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the Triton kernel where it runs (module docstring);
-    ``pdl``: launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``)."""
+    ``pdl``: launched with programmatic dependent launch where the GPU has it (``kernels/pdl.py``),
+    and then the kernel wherever it runs, ``F.linear`` never chosen for its time alone."""
     y = run_kernel(x, weight, bias, pdl)
     return F.linear(x, weight, bias) if y is None else y
 
@@ -463,7 +381,9 @@ def run_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if u2 is not None and u2.stride() != x2.stride():
         return None
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        cfg = gemv_config(x2, weight, bias)
+        # with PDL the kernel runs wherever it can: cuBLAS's kernels take no part in PDL, so one between two
+        # PDL kernels ends their overlap, which its time alone (what ``_tune`` compares) does not show
+        cfg = gemv_config(x2, weight, bias, linear=not (pdl and pdl_supported(x.device)))
         return None if cfg is None else _launch(x2, weight, bias, cfg, pdl=pdl, up=u2).reshape(
             *x.shape[:-1], weight.shape[0])
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Device call (one H100 or H200): the one-to-four-row GEMV kernel (``rows``) and PDL chains of the kernel
+# (issue 28). Under one deadline (DEADLINE s), each step only with time left: bench_gemv on the 1B's fused
+# shapes at 1 row (cuBLAS, the tuned kernel, + PDL; every config in graphs) and a 16-layer chain of them
+# (cuBLAS against the kernel, with and without PDL); the library's GPU tests (failures named); bench_decode
+# 1b with sw_full, sw_full_gemv (DecodeGemv, tuned against cuBLAS) and sw_full_gemv_pdl (DecodeGemv(pdl=True):
+# the kernel everywhere, Inductor's kernels and the attention with PDL too), the bf16/fp32 checks on.
+# Results under $OUT. From the repository root: bash benchmarks/device/session_rows.sh
+source benchmarks/device/_setup.sh
+timeout "${GEMV_LIMIT:-150}" python3 benchmarks/bench_gemv.py --shapes 1b --rows "${ROWS:-1}" --all-configs \
+  --chain 16 --chain-rows "${CHAIN_ROWS:-1}" --repeats 3 --out "$OUT/gemv" 2>&1 | grep -v "Warn\|warn" \
+  | tee "$OUT/gemv.log" | grep -v "^  " | tail -12
+T=$(left); echo "left for the tests: $T s"
+timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/library -n 8 2>&1 \
+  | tail -40 | tee "$OUT/gpu_library.txt" | grep -E "passed|failed|FAILED|ERROR|Error" | head -20
+T=$(left); echo "left for bench_decode: $T s"
+[ "$T" -gt 60 ] && timeout $(( T - 5 )) python3 benchmarks/bench_decode.py --models 1b \
+  --contenders "${CONTENDERS:-sw_full,sw_full_gemv,sw_full_gemv_pdl}" --rounds 3 --generate-repeats 1 \
+  --check-layers "${CHECK_LAYERS:-2}" --out "$OUT/decode" 2>&1 | grep -v "Warn\|warn\|skipping" \
+  | tee "$OUT/bench_decode.log" | tail -12
+echo done

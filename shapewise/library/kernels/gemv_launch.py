@@ -1,0 +1,142 @@
+"""The two Triton kernels behind ``shapewise::gemv`` (``_gemv_jit.py``), their launch
+configurations and their launch; ``gemv.py`` holds the op and the tuner that picks a config.
+
+- ``dot`` (``gemv_kernel``): the rows padded to a tile of 16, 32 or 64 for the tensor cores, each
+  program ``block_n`` weight rows and one K slice (split-K for weights of few rows, summed with
+  float32 atomics), the weight staged through shared memory in ``num_stages`` steps.
+- ``rows`` (``gemv_rows_kernel``), for one to four rows: no tensor cores and no split-K. Each program
+  takes 1-8 whole weight rows, loads ``[block_n, block_k]`` tiles with 16-byte vector loads and sums
+  in float32: small programs (~32 registers), many on each multiprocessor, so that the bytes in
+  flight come from the number of programs, and no partial sums cross programs (no memset, atomics
+  or conversion).
+
+Tuning times both kinds per weight and row tile (``gemv_configs``); neither is assumed faster.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from shapewise.library.kernels.pdl import pdl_supported, prefetch_elements
+
+__all__ = ["GemvConfig", "MAX_ROWS", "ROW_TILES", "gemv_configs", "row_tile"]
+
+#: The tuner's row tiles: a row count is tuned as the first tile that holds it (one config serves all
+#: of a tile). The ``rows`` kernel computes as many rows as the tile (1 or 4); ``dot`` pads to 16 or more.
+ROW_TILES = (1, 4, 16, 32, 64)
+#: The most rows the kernel takes; more rows go to ``F.linear``.
+MAX_ROWS = ROW_TILES[-1]
+#: The most rows the ``rows`` kernel takes.
+MAX_ROWS_KERNEL_ROWS = 4
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration: the kernel (``dot`` or ``rows``), weight rows and K per step, K
+    slices, warps, pipeline stages (``rows``: always 1 slice and 1 stage)."""
+
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    kernel: str = "dot"
+
+    def __str__(self) -> str:
+        if self.kernel == "rows":
+            return f"rows.n{self.block_n}.k{self.block_k}.w{self.num_warps}"
+        return f"n{self.block_n}.k{self.block_k}.split{self.split_k}.w{self.num_warps}.s{self.num_stages}"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_tile(rows: int) -> int:
+    """The row tile ``rows`` rows (at most ``MAX_ROWS``) are tuned as: the first of ``ROW_TILES`` that holds them."""
+    return next(t for t in ROW_TILES if rows <= t)
+
+
+# Shared memory a dot config's pipeline may take (its stages of x and weight tiles, 2-byte elements):
+# Hopper gives a block 227 KiB; Triton's own needs come on top.
+_SMEM_BUDGET = 192 << 10
+# The dot tilings (block_n, block_k, warps, stages); the 64-wide ones are for row tiles above 16.
+_DOT_TILINGS = ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 8, 4), (32, 128, 4, 8), (32, 256, 4, 4),
+                (32, 256, 4, 6), (32, 512, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3))
+# The rows tilings (block_n, block_k, warps): weight tiles of 2-8K elements (4-16 KiB in bf16).
+_ROWS_TILINGS = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4),
+                 (8, 1024, 8))
+# A rows program holds tile x block_n x block_k float32 products: at most this many (ptxas for sm_90a: 32-69
+# registers a thread, no spills, for every tiling kept).
+_ROWS_PRODUCTS = 8192
+
+
+def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvConfig]:
+    """The candidates tuning times for an [n, k] weight on a GPU of ``sms`` multiprocessors, at
+    row tile ``tile``: the dot tilings whose pipeline fits the shared memory at that tile (at least
+    16 rows), each with one K slice and, where it has fewer tiles than two per multiprocessor, with
+    enough K slices for that (a power of two, at most 8); then, at tiles of at most
+    ``MAX_ROWS_KERNEL_ROWS`` rows, the rows tilings whose products fit the registers and whose
+    ``block_k`` is not past K (a K of 16 takes the dot kernel alone)."""
+    dot_tile = max(16, tile)
+    out = []
+    for bn, bk, warps, stages in _DOT_TILINGS:
+        if (dot_tile + bn) * bk * 2 * stages > _SMEM_BUDGET or (dot_tile == 16 and bk == 64):
+            continue
+        splits = [1]
+        want = _cdiv(2 * sms, _cdiv(n, bn))
+        if want > 1:
+            split = min(8, 1 << (want - 1).bit_length())
+            if k >= split * bk:
+                splits.append(split)
+        out.extend(GemvConfig(bn, bk, s, warps, stages) for s in splits)
+    if tile <= MAX_ROWS_KERNEL_ROWS:
+        out.extend(GemvConfig(bn, bk, 1, warps, 1, "rows") for bn, bk, warps in _ROWS_TILINGS
+                   if tile * bn * bk <= _ROWS_PRODUCTS and bk <= max(512, k))
+    return out
+
+
+@functools.cache
+def _kernels():
+    from shapewise.library.kernels._gemv_jit import gemv_kernel, gemv_rows_kernel
+
+    return {"dot": gemv_kernel, "rows": gemv_rows_kernel}
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig, *,
+            warmup: bool = False, pdl: bool = False, up: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Run ``cfg`` on (x, w, b); ``warmup=True`` only compiles its binary (nothing runs).
+    ``pdl``: with programmatic dependent launch where the device has it (``kernels/pdl.py``).
+    ``up`` (x's shape and strides): the product of ``silu(x) * up`` and ``w`` (a gated MLP's down
+    projection, its activation computed as the kernel loads it)."""
+    m, k = x.shape
+    n = w.shape[0]
+    tile = row_tile(m)
+    pdl = pdl and pdl_supported(x.device)
+    rows = cfg.kernel == "rows"
+    if rows and tile > MAX_ROWS_KERNEL_ROWS:
+        raise ValueError(f"shapewise gemv: config {cfg} takes at most {MAX_ROWS_KERNEL_ROWS} rows, got {m}")
+    if cfg.split_k == 1 or warmup:  # a warm-up launches nothing: its output need not be zeroed
+        y = torch.empty((m, n), dtype=x.dtype if cfg.split_k == 1 else torch.float32, device=x.device)
+    else:
+        y = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    grid = (_cdiv(n, cfg.block_n), cfg.split_k)
+    chunk = k if rows else _cdiv(k, cfg.split_k * cfg.block_k) * cfg.block_k  # each program's slice of K
+    ahead = prefetch_elements(w, cfg.split_k, chunk) if pdl else 0  # 0: no prefetch
+    strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1))
+    args = (x, up if up is not None else x, w, b if b is not None else w, y, m, n, k,
+            *(() if rows else (chunk,)), ahead, *strides)
+    meta = dict(HAS_BIAS=b is not None, BLOCK_M=tile if rows else max(16, tile), BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=ahead > 0,
+                ELEM=w.element_size(), PF=max(1, 32 * cfg.num_warps // cfg.block_n), GLU=up is not None,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if rows else {"SPLIT": cfg.split_k > 1}),
+                **({"launch_pdl": True} if pdl else {}))
+    kernel = _kernels()[cfg.kernel]
+    if warmup:
+        kernel.warmup(*args, grid=grid, **meta)
+        return None
+    kernel[grid](*args, **meta)
+    return y if cfg.split_k == 1 else y.to(x.dtype)
