@@ -7,6 +7,7 @@
 # the kernel everywhere, Inductor's kernels and the attention with PDL too), the bf16/fp32 checks on.
 # Results under $OUT. From the repository root: bash benchmarks/device/session_rows.sh
 source benchmarks/device/_setup.sh
+export SHAPEWISE_GEMV_ROWS=${SHAPEWISE_GEMV_ROWS:-1}  # the rows kernel a candidate (off by default until run here)
 timeout "${GEMV_LIMIT:-150}" python3 benchmarks/bench_gemv.py --shapes 1b --rows "${ROWS:-1}" --all-configs \
   --chain 16 --chain-rows "${CHAIN_ROWS:-1}" --repeats 3 --out "$OUT/gemv" 2>&1 | grep -v "Warn\|warn" \
   | tee "$OUT/gemv.log" | grep -v "^  " | tail -12

@@ -183,7 +183,8 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_kernel_matches_float64_at_every_config(dtype):
+def test_the_kernel_matches_float64_at_every_config(dtype, monkeypatch):
+    monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")  # the rows kernel's configs too
     from shapewise.library.kernels.gemv import _launch
 
     torch.manual_seed(0)
@@ -271,6 +272,7 @@ def test_pdl_is_an_argument_of_the_ops_the_pass_writes_and_a_no_op_off_the_gpu()
 def test_a_chain_of_pdl_launches_in_a_cuda_graph_reads_what_the_kernel_ahead_wrote(prefetch, monkeypatch):
     """Each GEMV reads the one ahead's output (and one a plain kernel's): launched with PDL, each must
     wait for the kernel ahead, in a CUDA graph replayed on new inputs, split-K configs included."""
+    monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")
     import importlib
 
     from shapewise.library.kernels.gemv import _launch
@@ -360,7 +362,8 @@ def test_gemv_glu_is_the_three_ops_and_trains():
 
 
 @pytest.mark.gpu
-def test_the_glu_kernel_matches_float64_on_split_halves():
+def test_the_glu_kernel_matches_float64_on_split_halves(monkeypatch):
+    monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")  # the rows kernel's configs too
     import shapewise.library.decode_gemv  # noqa: F401 - registers shapewise::gemv_glu
     from shapewise.library.kernels.gemv import _launch, row_tile
 

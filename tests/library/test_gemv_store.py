@@ -222,6 +222,7 @@ def test_a_weights_candidates_are_timed_once_and_each_row_count_times_two(store,
 
 
 def test_one_row_and_two_to_four_rows_are_tuned_at_tiles_of_their_own_with_the_rows_kernel(store, monkeypatch):
+    monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")
     gpu = StandInGpu(monkeypatch)
     assert [gemv.tune(**_row(r), device="cpu") for r in (1, 2, 3, 4, 16)] == [gpu.fastest] * 5
     for tile in (1, 4, 16):  # every candidate of each tile, once, at the tile's rows (the winner once more:
