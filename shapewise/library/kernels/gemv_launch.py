@@ -11,8 +11,8 @@ configurations and their launch; ``gemv.py`` holds the op and the tuner that pic
   or conversion).
 
 Tuning times both kinds per weight and row tile (``gemv_configs``); neither is assumed faster.
-The ``rows`` kernel is a candidate only with ``SHAPEWISE_GEMV_ROWS=1`` for now: it has not yet run
-on a GPU (see issue 28's notes); without it tiles 1 and 4 time the dot configs alone.
+``SHAPEWISE_GEMV_ROWS=0`` leaves the ``rows`` kernel out (tiles 1 and 4 then time the dot configs alone).
+On the H100 (``benchmarks/results/h100_20261206_rows``) it won the tuning on every 1B weight at one row.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvCon
     row tile ``tile``: the dot tilings whose pipeline fits the shared memory at that tile (at least
     16 rows), each with one K slice and, where it has fewer tiles than two per multiprocessor, with
     enough K slices for that (a power of two, at most 8); then, at tiles of at most
-    ``MAX_ROWS_KERNEL_ROWS`` rows and with ``SHAPEWISE_GEMV_ROWS=1``, the rows tilings whose
+    ``MAX_ROWS_KERNEL_ROWS`` rows (unless ``SHAPEWISE_GEMV_ROWS=0``), the rows tilings whose
     products fit the registers."""
     dot_tile = max(16, tile)
     out = []
@@ -96,7 +96,7 @@ def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvCon
             if k >= split * bk:
                 splits.append(split)
         out.extend(GemvConfig(bn, bk, s, warps, stages) for s in splits)
-    if tile <= MAX_ROWS_KERNEL_ROWS and os.environ.get("SHAPEWISE_GEMV_ROWS", "0") == "1":
+    if tile <= MAX_ROWS_KERNEL_ROWS and os.environ.get("SHAPEWISE_GEMV_ROWS", "1") != "0":
         out.extend(GemvConfig(bn, bk, 1, warps, 1, "rows") for bn, bk, warps in _ROWS_TILINGS
                    if tile * bn * bk <= _ROWS_PRODUCTS)
     return out
