@@ -14,9 +14,11 @@ Contenders (each on its own copy of the weights):
                (the forward one piece: compile_generate splits nothing under full graphs; q/k/v and
                gate/up fused, ``FuseProjections``, since 2026-12-03; from fe44f12 (2026-12-03) also
                ``GroupedDecodeAttention`` in shapewise's decode kernel and Inductor's combo kernels;
-               from 2026-12-04 also ``BatchInputUpdates``, the layers' cache counters in one add);
-  sw_full_plain   ``sw_full`` with ``grouped_decode=False, combo_kernels=False, batch_updates=False``
-               (the default before fe44f12, 2026-12-03);
+               from 2026-12-04 also ``BatchInputUpdates``, the layers' cache counters in one add; from
+               2026-12-06 also ``DecodeGemv``, each decode linear in shapewise's tuned Triton GEMV
+               where it times faster than cuBLAS);
+  sw_full_plain   ``sw_full`` with ``grouped_decode=False, combo_kernels=False, batch_updates=False,
+               decode_gemv=False`` (the default before fe44f12, 2026-12-03);
   sw_full_nobatch ``sw_full`` with ``batch_updates=False`` (the default before 2026-12-04);
   sw_full_sync    ``sw_full`` with ``defer_stop=False``: ``generate()`` checks for a stop at every
                step, waiting for the GPU (the default before 2026-12-04's evening); its step is
@@ -30,18 +32,18 @@ Contenders (each on its own copy of the weights):
                compile_generate's default before 2026-12-03);
   sw_full_and_piecewise   ``cudagraphs={"mode": "full_and_piecewise"}`` (split at SDPA; decode, one
                token, is a full graph; prefill piecewise);
-  sw_full_gemv    ``sw_full`` with ``graph_passes=[DecodeGemv()]``: at decode every linear, the
-               fused groups too (``gemv_group``), in shapewise's Triton GEMV, not cuBLAS;
+  sw_full_nogemv  ``sw_full`` with ``decode_gemv=False``: every decode linear cuBLAS's (the default
+               before 2026-12-06; ``sw_full_gemv``, DecodeGemv given by hand, was today's ``sw_full``);
   sw_full_combo   ``sw_full`` with ``grouped_decode=False``: of the two, Inductor's combo kernels only
                (independent small kernels, a layer's rotary, cache writes, counter, in one launch);
   sw_full_gqa     ``sw_full`` with ``combo_kernels=False``: of the two, ``GroupedDecodeAttention`` only
                (the decode step's attention reads the cache's 8 KV heads, not 32 repeated copies of
                them, in ``shapewise::decode_attention``; before fe44f12, SDPA).
   (``sw_full_combo_gqa``, both, is ``sw_full`` from fe44f12.)
-  sw_full_pdl     ``sw_full`` with ``pdl=True``: Inductor's kernels and the decode attention kernel
-               launched with programmatic dependent launch (each starts while the one ahead ends);
-  sw_full_gemv_pdl ``sw_full_pdl`` with ``graph_passes=[DecodeGemv(pdl=True)]``: the GEMVs too, each
-               prefetching its weight into L2 before it waits for the kernel ahead;
+  sw_full_pdl     ``sw_full`` with ``pdl=True``: Inductor's kernels, the decode attention kernel and
+               the GEMVs (``DecodeGemv(pdl=True)``: the kernel for every weight, each prefetching its
+               weight into L2 before it waits) launched with programmatic dependent launch, each
+               starting while the one ahead ends (``sw_full_gemv_pdl`` before 2026-12-06);
   sw_full_checks_all ``sw_full`` checking everything every call, as before 2026-12-05 (evening): the
                direct call every attribute of the cache and its layers (no dict versions) and the
                graph its kept inputs' strides (``checks_all``): the lean host path's baseline.
@@ -103,9 +105,8 @@ import shapewise as sw  # noqa: E402
 from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_plain", "sw_full_nofuse", "sw_full_split",
-              "sw_full_and_piecewise", "sw_full_gemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor",
-              "sw_full_nobatch", "sw_full_sync", "hf_recipe_deferred", "sw_full_checks_all", "sw_full_pdl",
-              "sw_full_gemv_pdl")
+              "sw_full_and_piecewise", "sw_full_nogemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor",
+              "sw_full_nobatch", "sw_full_sync", "hf_recipe_deferred", "sw_full_checks_all", "sw_full_pdl")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -163,15 +164,14 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
         on_a_mesh_of_one(model, device)
     graphs = {"sw_full_and_piecewise": {"mode": "full_and_piecewise"}}.get(name, "full")
     split = {"sw_full": {}, "sw_full_and_piecewise": {}, "sw_full_dtensor": {}, "sw_full_checks_all": {},
-             "sw_full_plain": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False},
+             "sw_full_plain": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False,
+                               "decode_gemv": False},
              "sw_full_nofuse": {"grouped_decode": False, "combo_kernels": False, "batch_updates": False,
-                                "fuse_projections": False},
+                                "decode_gemv": False, "fuse_projections": False},
              "sw_full_nobatch": {"batch_updates": False}, "sw_full_sync": {"defer_stop": False},
              "sw_full_split": {"splitting_ops": ("sdpa",)},
-             # every linear at decode in the Triton GEMV, the fused groups too
-             "sw_full_gemv": {"graph_passes": [sw.library.DecodeGemv()]},
+             "sw_full_nogemv": {"decode_gemv": False},  # cuBLAS at decode
              "sw_full_pdl": {"pdl": True},
-             "sw_full_gemv_pdl": {"pdl": True, "graph_passes": [sw.library.DecodeGemv(pdl=True)]},
              "sw_full_combo": {"grouped_decode": False}, "sw_full_gqa": {"combo_kernels": False}}[name]
     return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
                                backend="inductor", cudagraphs=graphs if device == "cuda" else False,

@@ -52,7 +52,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from shapewise._compat import fake_mode_active, node_value
+from shapewise._compat import fake_mode_active, is_traceable_wrapper_subclass, node_value
 from shapewise.errors import ConfigError
 
 # importing these registers shapewise::gemv and shapewise::linear_group
@@ -233,6 +233,8 @@ class DecodeGemv(GraphPass):
         xv = node_value(x) if isinstance(x, torch.fx.Node) else None
         if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)) or wv.dim() != 2 or xv.dim() < 1:
             return None
+        if is_traceable_wrapper_subclass(xv) or is_traceable_wrapper_subclass(wv):
+            return None  # a DTensor (a tensor-parallel rank's weight): the op has no sharding rule
         if xv.device.type not in self.devices or str(xv.dtype).removeprefix("torch.") not in self.dtypes:
             return None
         out = node_value(node)
@@ -252,6 +254,8 @@ class DecodeGemv(GraphPass):
         x, weights, biases = node.args
         values = [node_value(w) if isinstance(w, torch.fx.Node) else None for w in weights]
         if not values or not all(isinstance(v, torch.Tensor) and v.dim() == 2 for v in values):
+            return None
+        if any(is_traceable_wrapper_subclass(v) for v in values):
             return None
         first = values[0]
         if any(v.dtype != first.dtype or v.shape[1] != first.shape[1] for v in values):

@@ -380,3 +380,59 @@ def test_the_glu_kernel_matches_float64_on_split_halves(monkeypatch):
             assert err < 1e-2, (m, k, n, str(cfg), err)
         y = torch.ops.shapewise.gemv_glu(gate, up, w)
         assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_compile_generate_adds_the_pass_only_where_asked_or_on_by_default():
+    # On the CPU (no CUDA graphs) compile_generate leaves it out; decode_gemv=True adds one, and a
+    # DecodeGemv of the user's own in graph_passes is used as given, not joined by a second.
+    pytest.importorskip("transformers")
+    from tests.models.configs import DECODERS
+
+    config, cls = DECODERS["llama"]
+    kw = dict(prompt_sizes=[6], max_length=16, static_cache=True, backend="aot_eager", splitting_ops=())
+    plain = sw.compile_generate(cls(config()).eval(), **kw)
+    assert not any(isinstance(p, sw.library.DecodeGemv) for p in plain._options.get("graph_passes", ()))
+    asked = sw.compile_generate(cls(config()).eval(), decode_gemv=True, **kw)
+    assert [p for p in asked._options["graph_passes"] if isinstance(p, sw.library.DecodeGemv)] == \
+        [sw.library.DecodeGemv()]
+    mine = sw.library.DecodeGemv(max_tokens=2, **CPU)
+    given = sw.compile_generate(cls(config()).eval(), decode_gemv=True, graph_passes=[mine], **kw)
+    assert [p for p in given._options["graph_passes"] if isinstance(p, sw.library.DecodeGemv)] == [mine]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_gemv", [None, False])
+def test_compile_generate_runs_the_gemv_by_default_under_full_graphs(decode_gemv):
+    # bf16 on the GPU under full CUDA graphs: by default (None) each decode linear is a shapewise::gemv
+    # (or gemv_group after FuseProjections), logits within bf16's own error of fp32; False leaves none.
+    from tests.library.test_fuse_projections import bf16_decode_against_fp32
+
+    fast, model = bf16_decode_against_fp32("llama", decode_gemv=decode_gemv)
+    code = "".join((v.gm or p.gm).code for p in fast.runnables[-1].program.compute_pieces for v in p.variants)
+    ops = code.count("torch.ops.shapewise.gemv")  # gemv and gemv_group
+    # per layer: the packed q/k/v group, o, the packed gate/up group, down; and the head
+    assert ops == (4 * model.config.num_hidden_layers + 1 if decode_gemv is None else 0), code.count("gemv")
+
+
+def test_dtensor_weights_are_left_to_the_linear():
+    # A tensor-parallel rank's weights (DTensor, a gloo mesh of one here): the op has no sharding
+    # rule, so the pass leaves those linears alone (before, the compile failed in Lower).
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 32, bias=False))
+        parallelize_module(model, DeviceMesh("cpu", [0]), {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fast = sw.compile(model, dynamic_dims={"input": {0: "n"}}, sizes={"n": [1, 4]}, backend="aot_eager",
+                          graph_passes=[sw.library.DecodeGemv(**CPU)])
+        with torch.no_grad():
+            for n in (1, 4):
+                x = torch.randn(n, 32)
+                assert_same(fast(x), model(x), f"n={n}")
+        codes = [(v.gm or p.gm).code for r in fast.runnables for p in r.program.compute_pieces for v in p.variants]
+        assert len(codes) == 2 and not any("shapewise.gemv" in c for c in codes)
+    finally:
+        dist.destroy_process_group()
