@@ -147,6 +147,29 @@ def bench(fn: Callable[[], Any], device: str, repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def kernel_profile(fn: Callable[[], Any], calls: int = 10) -> dict[str, Any]:
+    """Kernels per call of ``fn`` and the GPU µs of each kernel name per call (torch.profiler over
+    ``calls`` calls; the L2 is not flushed between them, unlike ``bench``'s timing)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times: Counter[str] = Counter()
+    count = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            count += 1
+            times[e.name] += e.device_time if hasattr(e, "device_time") else e.cuda_time
+    return {"kernels_per_call": count / calls, "kernel_us_per_call": round(sum(times.values()) / calls, 1),
+            "us_by_name_per_call": {n[:120]: round(t / calls, 1) for n, t in times.most_common(25)}}
+
+
 def measure_ceilings(device: str) -> dict[str, float]:
     """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s, measured here."""
     if device != "cuda":
@@ -186,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="token counts for the max-autotune contenders (default: all)")
     ap.add_argument("--contenders", default="all", help="comma list to run a subset")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile each contender at each size (torch.profiler over 10 forwards): kernels per "
+                         "forward and each kernel name's GPU µs per forward, into results.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -239,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
                     row["compile_s"] += time.perf_counter() - t0  # first call at a size: trace/compile/capture
                     row["err"][t] = rel_err(y, refs[t])
                     row["us"][t] = bench(lambda: fn(x), device, args.repeats)
+                    if args.profile and device == "cuda":
+                        try:
+                            row.setdefault("profile", {})[t] = kernel_profile(lambda: fn(x))
+                        except Exception as e:  # noqa: BLE001 - the timing stands without it
+                            row["profile"][t] = {"error": f"{type(e).__name__}: {e}"[:300]}
                 print(f"{name:28s} T={t:5d} {row['us'][t]:10.1f} us  err {row['err'][t]:.2e}", flush=True)
         except Exception as e:  # noqa: BLE001 - a contender's failure is a result, recorded
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"

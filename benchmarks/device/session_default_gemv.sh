@@ -16,6 +16,6 @@ timeout "${TEST_LIMIT:-200}" python3 -m pytest -q -rfE -p no:cacheprovider -m "g
   | grep -E "passed|failed|FAILED|ERROR|Error" | head -20
 T=$(left); echo "left for bench_llama: $T s"
 [ "$T" -gt 60 ] && mkdir -p "$OUT/llama" && timeout $(( T - 5 )) python3 benchmarks/bench_llama.py \
-  --out "$OUT/llama" --repeats 3 --tokens 1,8,64 \
+  --out "$OUT/llama" --repeats 3 --tokens 1,8,64 --profile \
   --contenders "shapewise static+full cudagraph,shapewise full cudagraph+DecodeGemv,shapewise full cudagraph+DecodeGemv64" 2>&1 | tail -12
 echo done
