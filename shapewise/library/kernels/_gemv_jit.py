@@ -11,11 +11,12 @@ except ImportError:
 if triton is not None:
     @triton.jit
     def _wait_for_producers(w_ptr, rn, k_lo, prefetch, N, K, swn, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr,
-                            ELEM: tl.constexpr, PF: tl.constexpr):
+                            ELEM: tl.constexpr, PF: tl.constexpr, EARLY: tl.constexpr):
         """PDL (kernels/pdl.py): prefetch, then wait for the kernels ahead; nothing they write is read or
         written before the wait. The prefetch: the first ``prefetch`` elements of this program's weight
         rows ``rn`` from K offset ``k_lo`` on, into L2, in PF parts a row (one bulk prefetch per thread; a
-        part past the end moves nothing)."""
+        part past the end moves nothing). ``EARLY``: the kernel behind may launch right after the wait
+        (else ``_let_dependents_launch``, after the main loop, lets it)."""
         if PREFETCH:
             part = ((prefetch + PF - 1) // PF + 7) // 8 * 8
             start = k_lo + tl.arange(0, PF) * part
@@ -28,7 +29,17 @@ if triton is not None:
                 [w_ptr + rows[:, None] * swn + tl.minimum(start, K - 8)[None, :],
                  tl.zeros([BLOCK_N, PF], tl.int32) + size[None, :]], dtype=tl.int32, is_pure=False, pack=1)
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def _let_dependents_launch(PDL: tl.constexpr, EARLY: tl.constexpr):
+        """PDL: the kernel behind may launch once every program of this one has called this (or
+        ended). Called after the main loop, its programs take multiprocessor slots only for this
+        kernel's last programs' tails; called at the start (``EARLY``), they would sit waiting in slots
+        this kernel's later programs need. (Either way they wait for this kernel's end and its writes.)"""
+        if PDL and not EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _glu(g, u_ptrs, mask):
@@ -44,7 +55,7 @@ if triton is not None:
     def gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                    ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr):
+                    ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr, EARLY: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -52,7 +63,7 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         k_lo = pid_k * chunk
         if PDL:
-            _wait_for_producers(w_ptr, rn, k_lo, prefetch, N, K, swn, BLOCK_N, PREFETCH, ELEM, PF)
+            _wait_for_producers(w_ptr, rn, k_lo, prefetch, N, K, swn, BLOCK_N, PREFETCH, ELEM, PF, EARLY)
         x_ptrs = x_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk
         u_ptrs = u_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk  # GLU: the up half (x's strides)
         w_ptrs = w_ptr + rn[:, None] * swn + (k_lo + rk)[None, :] * swk
@@ -74,6 +85,7 @@ if triton is not None:
             acc += tl.dot(x, tl.trans(w))
             x_ptrs += BLOCK_K * sxk
             w_ptrs += BLOCK_K * swk
+        _let_dependents_launch(PDL, EARLY)
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
             acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
@@ -93,12 +105,12 @@ if triton is not None:
     def gemv_rows_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, prefetch, sxm, sxk, swn, swk,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr):
+                         ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr, EARLY: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         rm = tl.arange(0, BLOCK_M)
         if PDL:
-            _wait_for_producers(w_ptr, rn, 0, prefetch, N, K, swn, BLOCK_N, PREFETCH, ELEM, PF)
+            _wait_for_producers(w_ptr, rn, 0, prefetch, N, K, swn, BLOCK_N, PREFETCH, ELEM, PF, EARLY)
         n_ok = rn[:, None] < N
         m_ok = rm[:, None] < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -119,6 +131,7 @@ if triton is not None:
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
             else:
                 acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        _let_dependents_launch(PDL, EARLY)
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & (rn[None, :] < N))
