@@ -12,7 +12,7 @@ timeout "${TEST_LIMIT:-100}" python3 -m pytest -q -p no:cacheprovider -m gpu tes
   | tail -25 | tee "$OUT/gpu_library.txt"
 T=$(left); echo "left for bench_decode: $T s"
 timeout $(( T < ${DECODE_LIMIT:-280} ? T : ${DECODE_LIMIT:-280} )) python3 benchmarks/bench_decode.py --models 1b \
-  --contenders "${CONTENDERS:-sw_full,sw_full_pdl,sw_full_gemv_pdl}" --rounds 3 --generate-repeats 1 \
+  --contenders "${CONTENDERS:-sw_full_nogemv,sw_full,sw_full_pdl}" --rounds 3 --generate-repeats 1 \
   --check-layers "${CHECK_LAYERS:-2}" --out "$OUT/decode" 2>&1 | grep -v "Warn\|warn\|skipping" \
   | tee "$OUT/bench_decode.log" | tail -12
 T=$(left); echo "left for bench_llama: $T s"

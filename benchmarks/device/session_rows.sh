@@ -3,8 +3,10 @@
 # (issue 28). Under one deadline (DEADLINE s), each step only with time left: bench_gemv on the 1B's fused
 # shapes at 1 row (cuBLAS, the tuned kernel, + PDL; every config in graphs) and a 16-layer chain of them
 # (cuBLAS against the kernel, with and without PDL); the library's GPU tests (failures named); bench_decode
-# 1b with sw_full, sw_full_gemv (DecodeGemv, tuned against cuBLAS) and sw_full_gemv_pdl (DecodeGemv(pdl=True):
-# the kernel everywhere, Inductor's kernels and the attention with PDL too), the bf16/fp32 checks on.
+# 1b with sw_full_nogemv (cuBLAS at decode), sw_full (DecodeGemv, tuned against cuBLAS: compile_generate's
+# default since 2026-12-06) and sw_full_pdl (DecodeGemv(pdl=True): the kernel everywhere, Inductor's kernels
+# and the attention with PDL too), the bf16/fp32 checks on. (Before 2026-12-06 the three were sw_full,
+# sw_full_gemv, sw_full_gemv_pdl.)
 # Results under $OUT. From the repository root: bash benchmarks/device/session_rows.sh
 source benchmarks/device/_setup.sh
 export SHAPEWISE_GEMV_ROWS=${SHAPEWISE_GEMV_ROWS:-1}  # the rows kernel a candidate (off by default until run here)
@@ -16,7 +18,7 @@ timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -rfE -p no:cacheprovider -m gp
   | tail -40 | tee "$OUT/gpu_library.txt" | grep -E "passed|failed|FAILED|ERROR|Error" | head -20
 T=$(left); echo "left for bench_decode: $T s"
 [ "$T" -gt 60 ] && timeout $(( T - 5 )) python3 benchmarks/bench_decode.py --models 1b \
-  --contenders "${CONTENDERS:-sw_full,sw_full_gemv,sw_full_gemv_pdl}" --rounds 3 --generate-repeats 1 \
+  --contenders "${CONTENDERS:-sw_full_nogemv,sw_full,sw_full_pdl}" --rounds 3 --generate-repeats 1 \
   --check-layers "${CHECK_LAYERS:-2}" --out "$OUT/decode" 2>&1 | grep -v "Warn\|warn\|skipping" \
   | tee "$OUT/bench_decode.log" | tail -12
 echo done
