@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shapewise as sw
+from shapewise.errors import ShapewiseError
 from tests.helpers import assert_same
 
 transformers = pytest.importorskip("transformers")
@@ -279,6 +280,20 @@ def test_sparse_attention_indexer_cache_is_one_decode_trace():
     assert fast.traces == 2, fast.direct_info
 
 
+def _binds_methods_in_forward() -> bool:
+    """Whether the installed transformers' RecurrentGemma binds methods to the cache inside its
+    forward (``_get_seq_length.__get__(past_key_values)``, transformers 5.17): Dynamo traces no
+    ``function.__get__`` (torch 2.11 and 2.13 alike), so no full graph of it exists."""
+    import inspect
+
+    from transformers.models.recurrent_gemma import modeling_recurrent_gemma
+
+    return "__get__(past_key_values)" in inspect.getsource(modeling_recurrent_gemma)
+
+
+@pytest.mark.xfail(condition=_binds_methods_in_forward(), strict=True, raises=ShapewiseError,
+                   reason="this transformers' RecurrentGemma forward binds methods with function.__get__, which "
+                          "Dynamo does not trace (shapewise says so); transformers 5.2x does not")
 def test_a_recurrent_model_whose_prefill_fixes_the_prompt_length():
     # RecurrentGemma: recurrent blocks (an RG-LRU state and a convolution state, no token dim)
     # beside a windowed attention block; the model's Python fixes the prompt's length in prefill,
