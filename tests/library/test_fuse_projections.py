@@ -326,7 +326,9 @@ def test_bf16_decode_in_full_cuda_graphs_against_fp32(name, gemv):
     # Inductor and full CUDA graphs on the GPU: bf16 logits against an fp32 eager reference, within
     # what bf16 itself costs (the unfused bf16 eager model's error, with margin); with DecodeGemv
     # after the fusion too (the fused groups in the Triton GEMV: gemv_group).
-    fast, _ = bf16_decode_against_fp32(name, **({"graph_passes": [sw.library.DecodeGemv()]} if gemv else {}))
+    # (DecodeGemv is compile_generate's default there since 2026-12-06: decode_gemv=False leaves it out)
+    fast, _ = bf16_decode_against_fp32(name, **({"graph_passes": [sw.library.DecodeGemv()]} if gemv
+                                                else {"decode_gemv": False}))
     # With DecodeGemv every group at <= 16 rows (the 8-token prefill too) is a gemv_group.
     assert (_count(fast, "shapewise.gemv_group") > 0) == gemv and fused_groups(fast) + _count(
         fast, "shapewise.gemv_group") > 0

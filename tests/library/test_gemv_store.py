@@ -50,8 +50,8 @@ class StandInGpu:
     def _linear(self, x, w, b=None):
         self._last = ("linear", x.shape[0])
 
-    def _bench(self, fn) -> float:
-        fn()
+    def _bench(self, fn, w) -> float:
+        fn(w)
         time.sleep(self.delay)
         self.benched[self._last] += 1
         what, rows = self._last
@@ -399,3 +399,30 @@ def test_without_f_linear_the_weights_config_runs_even_where_f_linear_times_fast
     _forget(monkeypatch)
     gpu.benched.clear()
     assert gemv.tune(**{**SHAPE, "rows": 13}, device="cpu", linear=False) == gpu.fastest and not gpu.benched  # disk
+
+
+@pytest.mark.gpu
+def test_the_timing_replays_a_graph_over_copies_past_the_l2_and_a_failure_is_infinite():
+    # _bench: one CUDA graph of a call per copy of the weight (together >= 3x the L2, each read from
+    # memory), its time per call; what fails does so before the capture (inf, the stream not left
+    # capturing); the copies go once the tuning is done.
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)  # 8 MiB
+    seen = []
+    ms = gemv._bench(lambda w_: seen.append(w_) or F.linear(x, w_), w)
+    copies = {t.data_ptr() for t in seen}
+    assert 0 < ms < 1 and len(copies) * w.numel() * 2 >= min(3 * l2, gemv._MAX_COPIES * w.numel() * 2)
+    # in proportion to the bytes: a weight 4x as large takes about 4x as long (32 and 128 MiB, where
+    # the fixed cost of a call is small beside the read)
+    w1, w4 = (torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16) for n in (8192, 32768))
+    ratio = gemv._bench(lambda w_: F.linear(x, w_), w4) / gemv._bench(lambda w_: F.linear(x, w_), w1)
+    assert 2.5 < ratio < 5.5, ratio
+
+    def fails(w_):
+        raise RuntimeError("this config does not fit")
+
+    assert gemv._time(fails, "a config", w) == float("inf") and not torch.cuda.is_current_stream_capturing()
+    gemv._COPIES.clear()
+    gemv.tune(1, 2048 + 16, 2048, torch.bfloat16, False, "cuda")
+    assert gemv._COPIES == []

@@ -17,8 +17,9 @@ trace it, and its backward is the usual one, so it trains.
 Tuning has two levels, each read from memory, then disk (``shapewise.library.kernels.store``:
 ``<shapewise cache>/gemv-tuning/``, one JSON file per GPU model, torch and Triton versions, kernel
 source and shape, shared by every process and rank; ``rm -r`` the folder to clear it,
-``SHAPEWISE_CACHE=0`` to keep it in memory only), else timed (``triton.testing.do_bench``) and
-written to disk. Per weight (N, K, dtype, bias; under ``weights/``), every config of
+``SHAPEWISE_CACHE=0`` to keep it in memory only), else timed (``_bench``: CUDA-graph replays of
+calls over copies of the weight past the L2, as a decode step's graph runs them) and written to
+disk. Per weight (N, K, dtype, bias; under ``weights/``), every config of
 ``gemv_configs`` is timed once per row tile, at the tile's rows: the kernel computes the whole
 tile, so one config is fastest at every row count of a tile. Per row count, only that config and ``F.linear``
 are timed, at the real rows, and the faster kept (whether cuBLAS wins does depend on the rows).
@@ -40,6 +41,7 @@ import inspect
 import logging
 import marshal
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -154,7 +156,10 @@ def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait
                 return _TUNED.setdefault(key, cfg)
             best = _WINNERS[wkey] if wkey in _WINNERS else _load(weights, wfields, configs)
             return configs[0] if best is MISSING else _WINNERS.setdefault(wkey, best)
-        cfg = _recall(_TUNED, key, store, fields, configs, wait, decide) if linear else winner()
+        try:
+            cfg = _recall(_TUNED, key, store, fields, configs, wait, decide) if linear else winner()
+        finally:
+            _COPIES.clear()  # the timing's weight copies
     return None if cfg is _BUSY else cfg  # _BUSY: another process is tuning it; the op's first call waits
 
 
@@ -239,11 +244,53 @@ def _parse(value, configs: list[GemvConfig]) -> GemvConfig | None:
     return cfg
 
 
-def _bench(fn) -> float:
-    """Median milliseconds of ``fn()`` (``triton.testing.do_bench``)."""
-    from triton.testing import do_bench
+def _bench(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
+    """Milliseconds per call of ``fn(w_i)``, timed as a decode step runs it: one CUDA graph of a
+    call per copy ``w_i`` of the weight, over enough copies that none is in L2 when its call reads
+    it (as each weight of a step), replayed; the replays' time over their calls, median of
+    ``_ROUNDS``. So the host's launch cost is not in it (a step's calls are a graph's too), nor a
+    warm L2. (Before 2026-12-06: ``triton.testing.do_bench`` of single launches, an L2 flush before
+    each. In one H100 run it had F.linear win each of the 1B's four weights at one row, where an
+    earlier run had timed the kernel 1.08-1.27x faster than cuBLAS in graphs.)"""
+    copies = _weight_copies(w)
+    for c in copies:  # warm-up: compiles, and raises here (not in the capture) what fails
+        fn(c)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in copies:
+            fn(c)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(_ROUNDS):
+        start.record()
+        for _ in range(_REPLAYS):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (_REPLAYS * len(copies)))
+    del graph
+    return statistics.median(times)
 
-    return do_bench(fn, warmup=5, rep=25, return_mode="median")
+
+_ROUNDS, _REPLAYS, _MAX_COPIES = 5, 4, 64
+
+
+def _weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
+    """``w`` and copies of it, together three times the L2 or more (at least 2, at most
+    ``_MAX_COPIES``): each call of a replay reads its copy from memory, not from L2. Made once
+    per weight while it is tuned (``_config`` drops them)."""
+    if _COPIES and _COPIES[0] is w:
+        return _COPIES
+    l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 50 << 20)
+    n = min(_MAX_COPIES, max(2, -(-3 * l2 // max(1, w.numel() * w.element_size()))))
+    _COPIES[:] = [w, *(torch.empty_like(w).copy_(w) for _ in range(n - 1))]
+    return _COPIES
+
+
+_COPIES: list[torch.Tensor] = []  # the weight being timed and its copies (under _TUNE_LOCK)
 
 
 def _precompile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: list[GemvConfig]) -> None:
@@ -275,10 +322,10 @@ def _compile_threads() -> int:
     return max(1, min(16, cpus))
 
 
-def _time(fn, what: object, w: torch.Tensor) -> float:
-    """``_bench(fn)``; infinite (logged) when ``what`` (a config that does not compile or fit) fails."""
+def _time(fn: Callable[[torch.Tensor], object], what: object, w: torch.Tensor) -> float:
+    """``_bench(fn, w)``; infinite (logged) when ``what`` (a config that does not compile or fit) fails."""
     try:
-        return _bench(fn)
+        return _bench(fn, w)
     except Exception as e:  # noqa: BLE001 - a config that fails is skipped, never a run
         log.debug("shapewise gemv: %s failed for weight=%s: %s", what, tuple(w.shape), e)
         return float("inf")
@@ -300,7 +347,7 @@ def _tune_weight(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     t1 = time.perf_counter()
     best, best_ms = None, float("inf")
     for cfg in configs:
-        ms = _time(lambda cfg=cfg: _launch(x, w, b, cfg), cfg, w)
+        ms = _time(lambda w_, cfg=cfg: _launch(x, w_, b, cfg), cfg, w)
         if ms < best_ms:
             best, best_ms = cfg, ms
     t2 = time.perf_counter()
@@ -314,7 +361,8 @@ def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, best: GemvCo
     """``best`` (the weight's winner, ``_tune_weight``) against ``F.linear`` at ``x``'s rows:
     the faster (None: ``F.linear``); whether cuBLAS wins changes with the row count."""
     t0 = time.perf_counter()
-    best_ms, linear_ms = _time(lambda: _launch(x, w, b, best), best, w), _time(lambda: F.linear(x, w, b), "F.linear", w)
+    best_ms = _time(lambda w_: _launch(x, w_, b, best), best, w)
+    linear_ms = _time(lambda w_: F.linear(x, w_, b), "F.linear", w)
     dt = time.perf_counter() - t0
     _count(shapes=1, shape_timings=2, shape_timing_s=dt, timing_s=dt)
     if linear_ms < best_ms:
@@ -343,7 +391,7 @@ def tuning_stats() -> dict[str, float]:
         return dict(_STATS)
 
 
-_TIMED_CODE = (_launch, _tune_weight, _tune)  # what ``_source_hash`` covers, bound at import
+_TIMED_CODE = (_launch, _tune_weight, _tune, _bench)  # what ``_source_hash`` covers, bound at import
 _JIT_SOURCE = Path(__file__).with_name("_gemv_jit.py")
 _MAX_OFFSET = 2**31 - 1  # the kernel's pointer offsets are 32-bit
 
