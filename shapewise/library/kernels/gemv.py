@@ -257,7 +257,7 @@ def _bench(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
         fn(c)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use CUDA meanwhile
         for c in copies:
             fn(c)
     graph.replay()
