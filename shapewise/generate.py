@@ -250,11 +250,14 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     one kernel a layer); by default on where the other two are.
     ``decode_gemv``: run ``sw.library.DecodeGemv`` (after FuseProjections): at decode, each linear
     layer, the fused groups too, in shapewise's Triton GEMV where it times faster than cuBLAS for
-    that weight at that row count (tuned once per weight shape on the device, about a second
-    each, the results kept on disk), else cuBLAS as before. By default (None) on where the other
-    three are and Triton is there: on the H100 at 1B shapes a step's GPU time fell 11.8% (1150.9
-    against 1304.7 µs; benchmarks/results/h100_20261206_rows). A ``DecodeGemv`` given in
-    ``graph_passes`` is used as given instead.
+    that weight at that row count (tuned once per weight shape on the device, in CUDA graphs as a
+    step runs it, the results kept on disk), else cuBLAS as before. By default (None) on where the
+    other three are and Triton is there: on an H100 at 1B shapes a step's GPU time fell 11.8%
+    (1150.9 against 1304.7 µs; benchmarks/results/h100_20261206_rows; in a second run the tuner
+    of then, timing single launches, kept cuBLAS for every weight and nothing changed), and with the
+    tuner in graphs the 16-layer chain of its GEMVs takes 45.9 µs a layer against cuBLAS's 53.6
+    (benchmarks/results/h100_20261206_default; that step itself is not measured yet).
+    A ``DecodeGemv`` given in ``graph_passes`` is used as given instead.
     With CUDA graphs and a static cache, ``model.generate`` is wrapped too: a call that keeps no
     output tensor of a step past the next step (greedy or sampled decoding without returned hidden
     states or attentions; not beams, assisted, DoLa or contrastive decoding, not classifier-free
@@ -271,8 +274,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     ignored): Inductor's kernels (``static_options={"triton.enable_pdl": True}``), the decode
     attention kernel and ``DecodeGemv`` passes given in ``graph_passes`` (as ``pdl=True``) start
     while the kernel ahead of them finishes. Off by default: on the H200 at 1B shapes it changed
-    nothing measurable (a step's GPU time 1059 against 1064 µs; benchmarks/results/h200_20261205b):
-    the GEMMs between those kernels are cuBLAS's, which do not take part.
+    nothing measurable when the GEMMs were cuBLAS's (a step's GPU time 1059 against 1064 µs;
+    benchmarks/results/h200_20261205b), and with the GEMVs in the kernel (which ``pdl`` then uses
+    for every weight) it made an H100's step slower (1359.7 against 1252.3 µs) and a chain of the
+    GEMVs too (56.9 against 45.9 µs a layer; benchmarks/results/h100_20261206_default).
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]

@@ -35,8 +35,9 @@ MAX_ROWS = ROW_TILES[-1]
 #: The most rows the ``rows`` kernel takes.
 MAX_ROWS_KERNEL_ROWS = 4
 #: Under PDL, where a kernel lets the one behind it launch: after its main loop (default), or right
-#: after its wait (``SHAPEWISE_GEMV_PDL_TRIGGER=early``, as before 2026-12-06: on the H100 a 16-layer
-#: chain of the 1B's GEMVs took 50.17 µs a layer with it, 45.98 without PDL). Read once, at import.
+#: after its wait (``SHAPEWISE_GEMV_PDL_TRIGGER=early``, as before 2026-12-06). On an H100 a 16-layer
+#: chain of the 1B's GEMVs took 63.1 µs a layer late, 67.0 early, 51.1 without PDL (one run, one set of
+#: configs; benchmarks/results/h100_20261206_default): PDL loses either way. Read once, at import.
 PDL_TRIGGER_EARLY = os.environ.get("SHAPEWISE_GEMV_PDL_TRIGGER", "late") == "early"
 
 
