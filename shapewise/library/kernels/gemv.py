@@ -279,14 +279,21 @@ _ROUNDS, _REPLAYS, _MAX_COPIES = 5, 4, 64
 
 
 def _weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
-    """``w`` and copies of it, together three times the L2 or more (at least 2, at most
-    ``_MAX_COPIES``): each call of a replay reads its copy from memory, not from L2. Made once
-    per weight while it is tuned (``_config`` drops them)."""
+    """``w`` and copies of it, together three times the L2 or more (at most ``_MAX_COPIES``; a
+    weight that large alone is not copied): each call of a replay reads its copy from memory, not
+    from L2. Fewer where the memory runs out. Made once per weight while it is tuned (``_config``
+    drops them)."""
     if _COPIES and _COPIES[0] is w:
         return _COPIES
     l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 50 << 20)
-    n = min(_MAX_COPIES, max(2, -(-3 * l2 // max(1, w.numel() * w.element_size()))))
-    _COPIES[:] = [w, *(torch.empty_like(w).copy_(w) for _ in range(n - 1))]
+    n = min(_MAX_COPIES, max(1, -(-3 * l2 // max(1, w.numel() * w.element_size()))))
+    _COPIES[:] = [w]
+    try:
+        for _ in range(n - 1):
+            _COPIES.append(torch.empty_like(w).copy_(w))
+    except torch.cuda.OutOfMemoryError:
+        log.debug("shapewise gemv: %d of %d weight copies for timing %s fit in memory", len(_COPIES), n,
+                  tuple(w.shape))
     return _COPIES
 
 
