@@ -257,7 +257,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     of then, timing single launches, kept cuBLAS for every weight and nothing changed), and with the
     tuner in graphs the 16-layer chain of its GEMVs takes 45.9 µs a layer against cuBLAS's 53.6
     (benchmarks/results/h100_20261206_default; that step itself is not measured yet).
-    A ``DecodeGemv`` given in ``graph_passes`` is used as given instead.
+    A ``DecodeGemv`` given in ``graph_passes`` is used as given instead (with ``pdl``, as
+    ``pdl=True``); the one added here keeps ``pdl=False`` under ``pdl`` too.
     With CUDA graphs and a static cache, ``model.generate`` is wrapped too: a call that keeps no
     output tensor of a step past the next step (greedy or sampled decoding without returned hidden
     states or attentions; not beams, assisted, DoLa or contrastive decoding, not classifier-free
@@ -275,9 +276,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     attention kernel and ``DecodeGemv`` passes given in ``graph_passes`` (as ``pdl=True``) start
     while the kernel ahead of them finishes. Off by default: on the H200 at 1B shapes it changed
     nothing measurable when the GEMMs were cuBLAS's (a step's GPU time 1059 against 1064 µs;
-    benchmarks/results/h200_20261205b), and with the GEMVs in the kernel (which ``pdl`` then uses
-    for every weight) it made an H100's step slower (1359.7 against 1252.3 µs) and a chain of the
-    GEMVs too (56.9 against 45.9 µs a layer; benchmarks/results/h100_20261206_default).
+    benchmarks/results/h200_20261205b), and with every GEMV in the kernel, each with PDL (a
+    ``DecodeGemv(pdl=True)``), it made an H100's step slower (1359.7 against 1252.3 µs) and a chain
+    of the GEMVs too (56.9 against 45.9 µs a layer; benchmarks/results/h100_20261206_default).
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
@@ -357,11 +358,6 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
 
         if not any(isinstance(p, BatchInputUpdates) for p in passes):
             passes.append(BatchInputUpdates())
-    if decode_gemv:
-        from shapewise.library.decode_gemv import DecodeGemv
-
-        if not any(isinstance(p, DecodeGemv) for p in passes):
-            passes.append(DecodeGemv())
     if grouped_decode:
         from shapewise.library.grouped_decode import GroupedDecodeAttention  # registers its op
 
@@ -372,6 +368,12 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
 
         passes = [dataclasses.replace(p, pdl=True) if isinstance(p, DecodeGemv) else p for p in passes]
         options["static_options"] = {"triton.enable_pdl": True, **(options.get("static_options") or {})}
+    if decode_gemv:  # after pdl's: compile_generate's own pass is tuned against cuBLAS (pdl=True would run
+        # the kernel for every weight, which made an H100's step slower: 1359.7 against 1252.3 µs)
+        from shapewise.library.decode_gemv import DecodeGemv
+
+        if not any(isinstance(p, DecodeGemv) for p in passes):
+            passes.append(DecodeGemv())
     if fuse_projections:
         from shapewise.library.fuse_projections import FuseProjections, pack_projections  # registers its op
 

@@ -423,6 +423,16 @@ def test_the_timing_replays_a_graph_over_copies_past_the_l2_and_a_failure_is_inf
         raise RuntimeError("this config does not fit")
 
     assert gemv._time(fails, "a config", w) == float("inf") and not torch.cuda.is_current_stream_capturing()
+
+    def fails_in_the_capture(w_):  # passes the warm-up, then does what a capture does not allow
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+        return F.linear(x, w_)
+
+    stream = torch.cuda.current_stream()
+    assert gemv._time(fails_in_the_capture, "a config", w) == float("inf")
+    assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
+    assert 0 < gemv._bench(lambda w_: F.linear(x, w_), w) < 1  # and the next timing works
     gemv._COPIES.clear()
     gemv.tune(1, 2048 + 16, 2048, torch.bfloat16, False, "cuda")
     assert gemv._COPIES == []

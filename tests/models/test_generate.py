@@ -286,8 +286,10 @@ def _binds_methods_in_forward() -> bool:
     ``function.__get__`` (torch 2.11 and 2.13 alike), so no full graph of it exists."""
     import inspect
 
-    from transformers.models.recurrent_gemma import modeling_recurrent_gemma
-
+    try:
+        from transformers.models.recurrent_gemma import modeling_recurrent_gemma
+    except ImportError:  # no such model here: the test itself fails on the missing class
+        return False
     return "__get__(past_key_values)" in inspect.getsource(modeling_recurrent_gemma)
 
 

@@ -207,6 +207,7 @@ def _source_hash() -> str:
             h.update(inspect.getsource(fn).encode())
         except (OSError, TypeError):  # no source shipped: the bytecode stands in
             h.update(marshal.dumps(fn.__code__))
+    h.update(repr((_ROUNDS, _REPLAYS, _MAX_COPIES)).encode())
     return h.hexdigest()[:16]
 
 
@@ -253,13 +254,21 @@ def _bench(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
     each. In one H100 run it had F.linear win each of the 1B's four weights at one row, where an
     earlier run had timed the kernel 1.08-1.27x faster than cuBLAS in graphs.)"""
     copies = _weight_copies(w)
-    for c in copies:  # warm-up: compiles, and raises here (not in the capture) what fails
+    for c in copies:  # warm-up: compiles, and raises here (not in the capture) most of what fails
         fn(c)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(w.device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use CUDA meanwhile
-        for c in copies:
-            fn(c)
+    # On a stream of the weight's device of its own (not torch's one capture stream of the process,
+    # made on whichever device captured first), thread-local (other threads may use CUDA meanwhile),
+    # without torch.cuda.graph's emptying of the allocator's cache; the stream is restored and the
+    # capture ended whatever fn raises.
+    with torch.cuda.stream(_timing_stream(w.device)):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for c in copies:
+                fn(c)
+        finally:
+            graph.capture_end()
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -278,19 +287,26 @@ def _bench(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
 _ROUNDS, _REPLAYS, _MAX_COPIES = 5, 4, 64
 
 
+@functools.cache
+def _timing_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
 def _weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
     """``w`` and copies of it, together three times the L2 or more (at most ``_MAX_COPIES``; a
     weight that large alone is not copied): each call of a replay reads its copy from memory, not
-    from L2. Fewer where the memory runs out. Made once per weight while it is tuned (``_config``
-    drops them)."""
+    from L2. Fewer where they would take more than half the free memory, or it runs out (the
+    timing then has some of L2's help). Made once per weight while it is tuned (``_config`` drops them)."""
     if _COPIES and _COPIES[0] is w:
         return _COPIES
     l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 50 << 20)
-    n = min(_MAX_COPIES, max(1, -(-3 * l2 // max(1, w.numel() * w.element_size()))))
+    size = max(1, w.numel() * w.element_size())
+    n = min(_MAX_COPIES, max(1, -(-3 * l2 // size)))
+    n = min(n, 1 + torch.cuda.mem_get_info(w.device)[0] // (2 * size))  # at most half the free memory
     _COPIES[:] = [w]
     try:
-        for _ in range(n - 1):
-            _COPIES.append(torch.empty_like(w).copy_(w))
+        for _ in range(n - 1):  # in w's layout (rows may be strided: the kernel reads them so)
+            _COPIES.append(torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=w.device).copy_(w))
     except torch.cuda.OutOfMemoryError:
         log.debug("shapewise gemv: %d of %d weight copies for timing %s fit in memory", len(_COPIES), n,
                   tuple(w.shape))
@@ -398,7 +414,7 @@ def tuning_stats() -> dict[str, float]:
         return dict(_STATS)
 
 
-_TIMED_CODE = (_launch, _tune_weight, _tune, _bench)  # what ``_source_hash`` covers, bound at import
+_TIMED_CODE = (_launch, _tune_weight, _tune, _bench, _weight_copies)  # what ``_source_hash`` covers, bound at import
 _JIT_SOURCE = Path(__file__).with_name("_gemv_jit.py")
 _MAX_OFFSET = 2**31 - 1  # the kernel's pointer offsets are 32-bit
 
