@@ -59,8 +59,7 @@ from shapewise.errors import ConfigError
 from shapewise.library.fuse_projections import _backward as _group_backward
 from shapewise.library.fuse_projections import _joined
 from shapewise.library.fuse_projections import _setup_context as _group_setup
-from shapewise.library.kernels.gemv import MAX_ROWS, gemv, run_kernel, triton_gemv_available, tune
-from shapewise.library.kernels.pdl import pdl_supported
+from shapewise.library.kernels.gemv import MAX_ROWS, gemv, kernel_always, run_kernel, triton_gemv_available, tune
 from shapewise.library.patterns import match_linear
 from shapewise.passes.base import register_pass
 from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
@@ -317,7 +316,7 @@ def _tune_ahead(shapes: list[tuple], pdl: bool = False) -> None:
                 or torch.cuda.is_current_stream_capturing()):
             continue
         try:
-            tune(rows, n, k, dtype, bias, device, wait=False, linear=not (pdl and pdl_supported(device)))
+            tune(rows, n, k, dtype, bias, device, wait=False, linear=not kernel_always(pdl, device))
         except Exception as e:  # noqa: BLE001 - ahead of time is an optimisation: the op tunes on its first call
             log.warning("shapewise: DecodeGemv could not tune rows=%d weight=[%d, %d] %s at compile time (%s: %s); "
                         "the op tunes it on its first call", rows, n, k, dtype, type(e).__name__, e)

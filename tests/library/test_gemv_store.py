@@ -342,7 +342,7 @@ def test_decode_gemv_tunes_ahead_only_on_cuda_with_triton_and_real_tensors(monke
     cuda = (1, 64, 32, torch.bfloat16, True, torch.device("cuda", 0))
     decode_gemv._tune_ahead([(1, 64, 32, torch.bfloat16, True, torch.device("cpu")), cuda, cuda])
     assert tuned == [(cuda, {"wait": False, "linear": True})]
-    monkeypatch.setattr(decode_gemv, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(gemv, "pdl_supported", lambda device: True)  # (kernel_always asks it)
     decode_gemv._tune_ahead([cuda], pdl=True)  # with PDL the op runs the weight's config alone: tuned so
     assert tuned.pop() == (cuda, {"wait": False, "linear": False})
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -55,8 +55,8 @@ from shapewise.library.kernels.gemv_launch import MAX_ROWS, ROW_TILES, GemvConfi
 from shapewise.library.kernels.pdl import pdl_supported
 from shapewise.library.kernels.store import MISSING, TuningStore
 
-__all__ = ["GemvConfig", "MAX_ROWS", "ROW_TILES", "gemv", "gemv_config", "gemv_configs", "row_tile",
-           "run_kernel", "triton_gemv_available", "tune", "tuning_stats"]
+__all__ = ["GemvConfig", "MAX_ROWS", "ROW_TILES", "gemv", "gemv_config", "gemv_configs", "kernel_always",
+           "row_tile", "run_kernel", "triton_gemv_available", "tune", "tuning_stats"]
 
 log = logging.getLogger("shapewise")
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -441,6 +441,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return F.linear(x, weight, bias) if y is None else y
 
 
+def kernel_always(pdl: bool, device: torch.device) -> bool:
+    """Whether a call with ``pdl`` runs the weight's kernel config even where ``F.linear`` times
+    faster (``linear=False`` to the tuner): with PDL where the GPU has it, since cuBLAS's kernels
+    take no part in PDL, so one between two PDL kernels ends their overlap, which its time alone
+    (what ``_tune`` compares) does not show. The op and ``DecodeGemv``'s tuning ahead both ask this."""
+    return pdl and pdl_supported(device)
+
+
 def run_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool = False,
                up: torch.Tensor | None = None) -> torch.Tensor | None:
     """The kernel's ``x @ weight.T (+ bias)`` (of ``silu(x) * up`` where ``up`` is given: x's shape,
@@ -452,9 +460,7 @@ def run_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if u2 is not None and u2.stride() != x2.stride():
         return None
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        # with PDL the kernel runs wherever it can: cuBLAS's kernels take no part in PDL, so one between two
-        # PDL kernels ends their overlap, which its time alone (what ``_tune`` compares) does not show
-        cfg = gemv_config(x2, weight, bias, linear=not (pdl and pdl_supported(x.device)))
+        cfg = gemv_config(x2, weight, bias, linear=not kernel_always(pdl, x.device))
         return None if cfg is None else _launch(x2, weight, bias, cfg, pdl=pdl, up=u2).reshape(
             *x.shape[:-1], weight.shape[0])
 
