@@ -268,7 +268,11 @@ def _bench(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
             for c in copies:
                 fn(c)
         finally:
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except Exception:  # the capture was invalidated (fn did what a capture does not allow)
+                _abandon(graph, w.device)
+                raise  # (fn's own error, where it raised one, is this one's context)
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -285,6 +289,21 @@ def _bench(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
 
 
 _ROUNDS, _REPLAYS, _MAX_COPIES = 5, 4, 64
+# Graphs whose capture failed, never destroyed: torch leaves such a graph's memory pool routed, and its
+# destructor, run later by the garbage collector, aborted the process (an H100 test worker,
+# 2026-12-06: "Fatal Python error: Aborted" in the next test's Dynamo trace). Each holds only what
+# its failed capture allocated.
+_ABANDONED: list[torch.cuda.CUDAGraph] = []
+
+
+def _abandon(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+    """Keep ``graph`` (a failed capture) alive for good, its pool's routing ended where torch left it on."""
+    _ABANDONED.append(graph)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        with contextlib.suppress(RuntimeError):  # torch ended it itself
+            end(device.index if device.index is not None else torch.cuda.current_device(), graph.pool())
+    log.debug("shapewise gemv: a timing capture failed; its graph is kept (%d so far)", len(_ABANDONED))
 
 
 @functools.cache
