@@ -101,15 +101,18 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
                 torch.cuda.synchronize()
             per_token.append((time.perf_counter() - t) / 32)
     rows = list(fast.report())
+    from shapewise.library.kernels.gemv import tuning_stats  # DecodeGemv's tuning in this start (compile_s, timing_s)
+
     sources: dict[str, int] = {}
     for r in rows:
         sources[r["source"]] = sources.get(r["source"], 0) + 1
     return {"workers": workers, "first_generate_s": round(first_s, 2), "setup_s": round(setup_s, 2),
             "variant_seconds": round(sum(r["seconds"] for r in rows), 2), "sources": sources,
+            "variants": [[r["piece"], r["key"], r["source"], round(r["seconds"], 2)] for r in rows],
             f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
             "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
             "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3), "direct_info": fast.direct_info,
-            "direct_calls": fast.direct_calls}
+            "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats()}
 
 
 def main() -> None:
