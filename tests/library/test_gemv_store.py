@@ -2,7 +2,7 @@
 broken files, the cache switch, concurrent writers, the two tuning levels (candidates timed once
 per weight, the winner against F.linear per row count), and ``DecodeGemv`` tuning at compile time.
 
-On the CPU a stand-in GPU replaces the timing (``_bench``), the launch and the device query, so
+On the CPU a stand-in GPU replaces the timing (``gemv_timing.time_calls``), the launch and the device query, so
 the real lookup and tuner run; the GPU test (marker ``gpu``) tunes a real shape."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import shapewise as sw
+from shapewise.library.kernels import gemv_timing
 from shapewise.library.kernels.store import MISSING, TuningStore
 
 gemv = importlib.import_module("shapewise.library.kernels.gemv")  # the package's ``gemv`` is the op
@@ -43,7 +44,7 @@ class StandInGpu:
         monkeypatch.setattr(gemv, "_capturing", lambda: False)  # no CUDA query (a forked child cannot make one)
         monkeypatch.setattr(gemv, "_launch", self._launch)
         monkeypatch.setattr(gemv, "F", types.SimpleNamespace(linear=self._linear))
-        monkeypatch.setattr(gemv, "_bench", self._bench)
+        monkeypatch.setattr(gemv_timing, "time_calls", self._bench)
 
     def _launch(self, x, w, b, cfg):
         self._last = (cfg, x.shape[0])
@@ -175,7 +176,7 @@ def test_threads_writing_one_key_leave_a_whole_file(tmp_path, caplog):
 
 def _tune_in_child(conn) -> None:
     gemv.tune(**SHAPE, device="cpu")
-    conn.send(gemv._bench.__self__.tunes)
+    conn.send(gemv_timing.time_calls.__self__.tunes)
 
 
 def test_processes_sharing_the_folder_tune_a_shape_once(store, monkeypatch):
@@ -250,7 +251,7 @@ def test_f_linear_can_win_at_some_row_counts_and_the_config_is_chosen_at_the_ful
 def _tune_rows_in_child(conn) -> None:
     for r in ROWS:
         gemv.tune(**_row(r), device="cpu")
-    conn.send(sum(gemv._bench.__self__.benched.values()))
+    conn.send(sum(gemv_timing.time_calls.__self__.benched.values()))
 
 
 def test_a_second_process_times_nothing_and_a_new_row_count_times_only_two(store, monkeypatch):
@@ -404,20 +405,21 @@ def test_without_f_linear_the_weights_config_runs_even_where_f_linear_times_fast
 
 @pytest.mark.gpu
 def test_the_timing_replays_a_graph_over_copies_past_the_l2_and_a_failure_is_infinite():
-    # _bench: one CUDA graph of a call per copy of the weight (together >= 3x the L2, each read from
+    # time_calls: one CUDA graph of a call per copy of the weight (together >= 3x the L2, each read from
     # memory), its time per call; what fails does so before the capture (inf, the stream not left
     # capturing); the copies go once the tuning is done.
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)  # 8 MiB
     seen = []
-    ms = gemv._bench(lambda w_: seen.append(w_) or F.linear(x, w_), w)
+    ms = gemv_timing.time_calls(lambda w_: seen.append(w_) or F.linear(x, w_), w)
     copies = {t.data_ptr() for t in seen}
-    assert 0 < ms < 1 and len(copies) * w.numel() * 2 >= min(3 * l2, gemv._MAX_COPIES * w.numel() * 2)
+    assert 0 < ms < 1 and len(copies) * w.numel() * 2 >= min(3 * l2, gemv_timing.MAX_COPIES * w.numel() * 2)
     # in proportion to the bytes: a weight 4x as large takes about 4x as long (32 and 128 MiB, where
     # the fixed cost of a call is small beside the read)
     w1, w4 = (torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16) for n in (8192, 32768))
-    ratio = gemv._bench(lambda w_: F.linear(x, w_), w4) / gemv._bench(lambda w_: F.linear(x, w_), w1)
+    ratio = (gemv_timing.time_calls(lambda w_: F.linear(x, w_), w4)
+             / gemv_timing.time_calls(lambda w_: F.linear(x, w_), w1))
     assert 2.5 < ratio < 5.5, ratio
 
     def fails(w_):
@@ -431,14 +433,14 @@ def test_the_timing_replays_a_graph_over_copies_past_the_l2_and_a_failure_is_inf
         return F.linear(x, w_)
 
     stream = torch.cuda.current_stream()
-    abandoned = len(gemv._ABANDONED)
+    abandoned = len(gemv_timing.ABANDONED)
     assert gemv._time(fails_in_the_capture, "a config", w) == float("inf")
     assert torch.cuda.current_stream() == stream and not torch.cuda.is_current_stream_capturing()
     # the failed capture's graph is kept, not destroyed: its destructor, run by the collector, aborted
     # the process (the next test's, on an H100); collected here, in this test, should it come back
-    assert len(gemv._ABANDONED) == abandoned + 1
+    assert len(gemv_timing.ABANDONED) == abandoned + 1
     gc.collect()
-    assert 0 < gemv._bench(lambda w_: F.linear(x, w_), w) < 1  # and the next timing works
-    gemv._COPIES.clear()
+    assert 0 < gemv_timing.time_calls(lambda w_: F.linear(x, w_), w) < 1  # and the next timing works
+    gemv_timing._COPIES.clear()
     gemv.tune(1, 2048 + 16, 2048, torch.bfloat16, False, "cuda")
-    assert gemv._COPIES == []
+    assert gemv_timing._COPIES == []

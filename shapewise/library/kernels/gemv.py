@@ -17,7 +17,7 @@ trace it, and its backward is the usual one, so it trains.
 Tuning has two levels, each read from memory, then disk (``shapewise.library.kernels.store``:
 ``<shapewise cache>/gemv-tuning/``, one JSON file per GPU model, torch and Triton versions, kernel
 source and shape, shared by every process and rank; ``rm -r`` the folder to clear it,
-``SHAPEWISE_CACHE=0`` to keep it in memory only), else timed (``_bench``: CUDA-graph replays of
+``SHAPEWISE_CACHE=0`` to keep it in memory only), else timed (``gemv_timing.time_calls``: CUDA-graph replays of
 calls over copies of the weight past the L2, as a decode step's graph runs them) and written to
 disk. Per weight (N, K, dtype, bias; under ``weights/``), every config of
 ``gemv_configs`` is timed once per row tile, at the tile's rows: the kernel computes the whole
@@ -41,7 +41,6 @@ import inspect
 import logging
 import marshal
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from shapewise.library.kernels import gemv_timing
 from shapewise.library.kernels.gemv_launch import MAX_ROWS, ROW_TILES, GemvConfig, _launch, gemv_configs, row_tile
 from shapewise.library.kernels.pdl import pdl_supported
 from shapewise.library.kernels.store import MISSING, TuningStore
@@ -159,7 +159,7 @@ def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait
         try:
             cfg = _recall(_TUNED, key, store, fields, configs, wait, decide) if linear else winner()
         finally:
-            _COPIES.clear()  # the timing's weight copies
+            gemv_timing.drop_copies()  # the timing's weight copies
     return None if cfg is _BUSY else cfg  # _BUSY: another process is tuning it; the op's first call waits
 
 
@@ -207,7 +207,7 @@ def _source_hash() -> str:
             h.update(inspect.getsource(fn).encode())
         except (OSError, TypeError):  # no source shipped: the bytecode stands in
             h.update(marshal.dumps(fn.__code__))
-    h.update(repr((_ROUNDS, _REPLAYS, _MAX_COPIES)).encode())
+    h.update(repr((gemv_timing.ROUNDS, gemv_timing.REPLAYS, gemv_timing.MAX_COPIES)).encode())
     return h.hexdigest()[:16]
 
 
@@ -245,96 +245,6 @@ def _parse(value, configs: list[GemvConfig]) -> GemvConfig | None:
     return cfg
 
 
-def _bench(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
-    """Milliseconds per call of ``fn(w_i)``, timed as a decode step runs it: one CUDA graph of a
-    call per copy ``w_i`` of the weight, over enough copies that none is in L2 when its call reads
-    it (as each weight of a step), replayed; the replays' time over their calls, median of
-    ``_ROUNDS``. So the host's launch cost is not in it (a step's calls are a graph's too), nor a
-    warm L2. (Before 2026-12-06: ``triton.testing.do_bench`` of single launches, an L2 flush before
-    each. In one H100 run it had F.linear win each of the 1B's four weights at one row, where an
-    earlier run had timed the kernel 1.08-1.27x faster than cuBLAS in graphs.)"""
-    copies = _weight_copies(w)
-    for c in copies:  # warm-up: compiles, and raises here (not in the capture) most of what fails
-        fn(c)
-    torch.cuda.synchronize(w.device)
-    graph = torch.cuda.CUDAGraph()
-    # On a stream of the weight's device of its own (not torch's one capture stream of the process,
-    # made on whichever device captured first), thread-local (other threads may use CUDA meanwhile),
-    # without torch.cuda.graph's emptying of the allocator's cache; the stream is restored and the
-    # capture ended whatever fn raises.
-    with torch.cuda.stream(_timing_stream(w.device)):
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            for c in copies:
-                fn(c)
-        finally:
-            try:
-                graph.capture_end()
-            except Exception:  # the capture was invalidated (fn did what a capture does not allow)
-                _abandon(graph, w.device)
-                raise  # (fn's own error, where it raised one, is this one's context)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(_ROUNDS):
-        start.record()
-        for _ in range(_REPLAYS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / (_REPLAYS * len(copies)))
-    del graph
-    return statistics.median(times)
-
-
-_ROUNDS, _REPLAYS, _MAX_COPIES = 5, 4, 64
-# Graphs whose capture failed, never destroyed: torch leaves such a graph's memory pool routed, and its
-# destructor, run later by the garbage collector, aborted the process (an H100 test worker,
-# 2026-12-06: "Fatal Python error: Aborted" in the next test's Dynamo trace). Each holds only what
-# its failed capture allocated.
-_ABANDONED: list[torch.cuda.CUDAGraph] = []
-
-
-def _abandon(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
-    """Keep ``graph`` (a failed capture) alive for good, its pool's routing ended where torch left it on."""
-    _ABANDONED.append(graph)
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is not None:
-        with contextlib.suppress(RuntimeError):  # torch ended it itself
-            end(device.index if device.index is not None else torch.cuda.current_device(), graph.pool())
-    log.debug("shapewise gemv: a timing capture failed; its graph is kept (%d so far)", len(_ABANDONED))
-
-
-@functools.cache
-def _timing_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
-def _weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
-    """``w`` and copies of it, together three times the L2 or more (at most ``_MAX_COPIES``; a
-    weight that large alone is not copied): each call of a replay reads its copy from memory, not
-    from L2. Fewer where they would take more than half the free memory, or it runs out (the
-    timing then has some of L2's help). Made once per weight while it is tuned (``_config`` drops them)."""
-    if _COPIES and _COPIES[0] is w:
-        return _COPIES
-    l2 = getattr(torch.cuda.get_device_properties(w.device), "L2_cache_size", 50 << 20)
-    size = max(1, w.numel() * w.element_size())
-    n = min(_MAX_COPIES, max(1, -(-3 * l2 // size)))
-    n = min(n, 1 + torch.cuda.mem_get_info(w.device)[0] // (2 * size))  # at most half the free memory
-    _COPIES[:] = [w]
-    try:
-        for _ in range(n - 1):  # in w's layout (rows may be strided: the kernel reads them so)
-            _COPIES.append(torch.empty_strided(w.shape, w.stride(), dtype=w.dtype, device=w.device).copy_(w))
-    except torch.cuda.OutOfMemoryError:
-        log.debug("shapewise gemv: %d of %d weight copies for timing %s fit in memory", len(_COPIES), n,
-                  tuple(w.shape))
-    return _COPIES
-
-
-_COPIES: list[torch.Tensor] = []  # the weight being timed and its copies (under _TUNE_LOCK)
-
-
 def _precompile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: list[GemvConfig]) -> None:
     """Compile every config's binary before any is timed, several at once: Triton's compile is
     mostly native passes and ``ptxas``, which run outside the GIL, so the compiles of one shape
@@ -365,9 +275,10 @@ def _compile_threads() -> int:
 
 
 def _time(fn: Callable[[torch.Tensor], object], what: object, w: torch.Tensor) -> float:
-    """``_bench(fn, w)``; infinite (logged) when ``what`` (a config that does not compile or fit) fails."""
+    """``gemv_timing.time_calls(fn, w)``; infinite (logged) when ``what`` (a config that does not
+    compile or fit) fails."""
     try:
-        return _bench(fn, w)
+        return gemv_timing.time_calls(fn, w)
     except Exception as e:  # noqa: BLE001 - a config that fails is skipped, never a run
         log.debug("shapewise gemv: %s failed for weight=%s: %s", what, tuple(w.shape), e)
         return float("inf")
@@ -433,7 +344,8 @@ def tuning_stats() -> dict[str, float]:
         return dict(_STATS)
 
 
-_TIMED_CODE = (_launch, _tune_weight, _tune, _bench, _weight_copies)  # what ``_source_hash`` covers, bound at import
+# what ``_source_hash`` covers, bound at import
+_TIMED_CODE = (_launch, _tune_weight, _tune, gemv_timing.time_calls, gemv_timing.weight_copies)
 _JIT_SOURCE = Path(__file__).with_name("_gemv_jit.py")
 _MAX_OFFSET = 2**31 - 1  # the kernel's pointer offsets are 32-bit
 
