@@ -96,7 +96,7 @@ if triton is not None:
         else:
             tl.atomic_add(y_ptrs, acc, mask=y_ok)
 
-    # The one-to-eight-row kernel: no tensor cores (a dot pads the rows to 16) and no split-K: each
+    # The one-to-four-row kernel: no tensor cores (a dot pads the rows to 16) and no split-K: each
     # program takes BLOCK_N (1-8) whole weight rows, loads [BLOCK_N, BLOCK_K] weight tiles with 16-byte
     # vector loads, multiplies in float32 and sums along K. Small programs, many a multiprocessor: the
     # bytes in flight come from the number of programs, and no partial sums cross programs (no memset,

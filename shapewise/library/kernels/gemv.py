@@ -6,7 +6,7 @@ the time is the weight's bytes over memory bandwidth. cuBLAS picks GEMM tilings 
 shapes that leave a third to half of the bandwidth unused (see
 ``benchmarks/results/gemv_h200``). Two Triton kernels (``gemv_launch.py``) stream the weight once:
 ``dot`` pads the rows to a tile of 16, 32 or 64 for the tensor cores (split-K for weights of few
-rows, partials summed with float32 atomics); ``rows``, at one to eight rows, sums in float32 on the
+rows, partials summed with float32 atomics); ``rows``, at one to four rows, sums in float32 on the
 CUDA cores in small programs of whole weight rows.
 
 The op runs the kernel where it can (CUDA, bf16/fp16, a weight whose rows are contiguous, at

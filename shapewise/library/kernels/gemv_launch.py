@@ -4,14 +4,14 @@ configurations and their launch; ``gemv.py`` holds the op and the tuner that pic
 - ``dot`` (``gemv_kernel``): the rows padded to a tile of 16, 32 or 64 for the tensor cores, each
   program ``block_n`` weight rows and one K slice (split-K for weights of few rows, summed with
   float32 atomics), the weight staged through shared memory in ``num_stages`` steps.
-- ``rows`` (``gemv_rows_kernel``), for one to eight rows: no tensor cores and no split-K. Each program
+- ``rows`` (``gemv_rows_kernel``), for one to four rows: no tensor cores and no split-K. Each program
   takes 1-8 whole weight rows, loads ``[block_n, block_k]`` tiles with 16-byte vector loads and sums
   in float32: small programs (~32 registers), many on each multiprocessor, so that the bytes in
   flight come from the number of programs, and no partial sums cross programs (no memset, atomics
   or conversion).
 
 Tuning times both kinds per weight and row tile (``gemv_configs``); neither is assumed faster.
-``SHAPEWISE_GEMV_ROWS=0`` leaves the ``rows`` kernel out (tiles 1, 4 and 8 then time the dot configs alone).
+``SHAPEWISE_GEMV_ROWS=0`` leaves the ``rows`` kernel out (tiles 1 and 4 then time the dot configs alone).
 On the H100 (``benchmarks/results/h100_20261206_rows``) it won the tuning on every 1B weight at one row.
 """
 
@@ -28,12 +28,12 @@ from shapewise.library.kernels.pdl import pdl_supported, prefetch_elements
 __all__ = ["GemvConfig", "MAX_ROWS", "ROW_TILES", "gemv_configs", "row_tile"]
 
 #: The tuner's row tiles: a row count is tuned as the first tile that holds it (one config serves all
-#: of a tile). The ``rows`` kernel computes as many rows as the tile (1, 4 or 8); ``dot`` pads to 16 or more.
-ROW_TILES = (1, 4, 8, 16, 32, 64)
+#: of a tile). The ``rows`` kernel computes as many rows as the tile (1 or 4); ``dot`` pads to 16 or more.
+ROW_TILES = (1, 4, 16, 32, 64)
 #: The most rows the kernel takes; more rows go to ``F.linear``.
 MAX_ROWS = ROW_TILES[-1]
 #: The most rows the ``rows`` kernel takes.
-MAX_ROWS_KERNEL_ROWS = 8
+MAX_ROWS_KERNEL_ROWS = 4
 #: Under PDL, where a kernel lets the one behind it launch: after its main loop (default), or right
 #: after its wait (``SHAPEWISE_GEMV_PDL_TRIGGER=early``, as before 2026-12-06). On an H100 a 16-layer
 #: chain of the 1B's GEMVs took 63.1 µs a layer late, 67.0 early, 51.1 without PDL (one run, one set of
@@ -74,11 +74,9 @@ _SMEM_BUDGET = 192 << 10
 # The dot tilings (block_n, block_k, warps, stages); the 64-wide ones are for row tiles above 16.
 _DOT_TILINGS = ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 8, 4), (32, 128, 4, 8), (32, 256, 4, 4),
                 (32, 256, 4, 6), (32, 512, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3))
-# The rows tilings (block_n, block_k, warps): weight tiles of 2-8K elements (4-16 KiB in bf16), and of 1K
-# elements for tiles where no 2K one fits the registers (8 rows; added 2026-12-06: at 8 rows the dot kernel,
-# padded to 16, lost to cuBLAS on two of the 7B stack's four weights on an H100).
+# The rows tilings (block_n, block_k, warps): weight tiles of 2-8K elements (4-16 KiB in bf16).
 _ROWS_TILINGS = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4),
-                 (8, 1024, 8), (1, 1024, 4), (2, 512, 4))
+                 (8, 1024, 8))
 # A rows program holds tile x block_n x block_k float32 products: at most this many (ptxas for sm_90a: 32-69
 # registers a thread, no spills, for every tiling kept).
 _ROWS_PRODUCTS = 8192
@@ -105,7 +103,7 @@ def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvCon
         out.extend(GemvConfig(bn, bk, s, warps, stages) for s in splits)
     if tile <= MAX_ROWS_KERNEL_ROWS and os.environ.get("SHAPEWISE_GEMV_ROWS", "1") != "0":
         out.extend(GemvConfig(bn, bk, 1, warps, 1, "rows") for bn, bk, warps in _ROWS_TILINGS
-                   if tile * bn * bk <= _ROWS_PRODUCTS and (bn * bk >= 2048 or tile * 2048 > _ROWS_PRODUCTS))
+                   if tile * bn * bk <= _ROWS_PRODUCTS)
     return out
 
 
