@@ -92,10 +92,11 @@ def check_object(lines: list[str], env: dict, var: str, value: Any, before: dict
     always.append(f"if type({var}) is not XT{n}: return MISS")
     if isinstance(value, (list, tuple)):  # its length, and which of its items are one object
         seq = pattern(value)
-        if seq == tuple(range(len(value))) and items_settled and always is not lines:
+        distinct = seq == tuple(range(len(value)))
+        if distinct and items_settled and always is not lines:
             always.append(f"if len({var}) != {len(value)}: return MISS")
             lines.append(f"if len(set(map(id, {var}))) != {len(value)}: return MISS")
-        elif seq == tuple(range(len(value))):  # all distinct (a cache's layers): one C pass, not a Python loop
+        elif distinct:  # all distinct (a cache's layers): one C pass, not a Python loop
             always.append(f"if len({var}) != {len(value)} or len(set(map(id, {var}))) != {len(value)}: return MISS")
         else:
             env[f"XP{n}"] = seq
