@@ -108,6 +108,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
         sources[r["source"]] = sources.get(r["source"], 0) + 1
     return {"workers": workers, "first_generate_s": round(first_s, 2), "setup_s": round(setup_s, 2),
             "variant_seconds": round(sum(r["seconds"] for r in rows), 2), "sources": sources,
+            # [piece, binding, source, seconds in the session: a compile, a load, or the wait for a worker's artifact]
             "variants": [[r["piece"], r["key"], r["source"], round(r["seconds"], 2)] for r in rows],
             f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
             "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,

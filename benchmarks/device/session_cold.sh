@@ -2,8 +2,9 @@
 # Device call (one H100 or H200), issue 29: the 1B compile_generate's starts, each a fresh process. Under
 # one deadline (DEADLINE s): cold (serial, saving the whole program), warm (the whole program loaded) and
 # cold with 6 compile workers (cold_generate.py --warm --kinds whole --parallel 6); then, with time left,
-# one more serial/parallel pair (--workers 6,1) for the spread. Each row has its variants' compile
-# seconds and sources and DecodeGemv's tuning time. Results under $OUT (packed into all.tgz).
+# one more serial/parallel pair (--workers 6,1) for the spread. Each row has its variants' sources and
+# seconds in the session (a compile, a load, or the wait for a worker's artifact), and DecodeGemv's tuning
+# time. Results under $OUT (packed into all.tgz).
 # From the repository root: bash benchmarks/device/session_cold.sh
 source benchmarks/device/_setup.sh
 timeout $(( $(left) - 5 )) python3 benchmarks/device/cold_generate.py --out "$OUT/warm" --warm --kinds whole \

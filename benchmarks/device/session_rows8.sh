@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Device call (one H100 or H200), issue 28: the rows kernel at 5-8 rows (row tile 8). Under one deadline
+# Device call (one H100 or H200), issue 28. Written for the rows kernel at 5-8 rows (row tile 8, cbef08a, run on
+# 2026-12-06: benchmarks/results/session_20261206b/4_rows8; reverted in aee2014: today it measures 5-8 rows tuned
+# at the tile of 16, the baseline for the next try at those rows). Under one deadline
 # (DEADLINE s): the library's GPU tests (TEST_LIMIT s), then bench_llama's 7B-sized stack at 1/5/8/16 tokens,
 # static+full against DecodeGemv, profiled (each kernel's GPU µs per forward in llama/results.json).
 # Results under $OUT (packed into all.tgz). From the repository root: bash benchmarks/device/session_rows8.sh

@@ -404,10 +404,10 @@ def test_without_f_linear_the_weights_config_runs_even_where_f_linear_times_fast
 
 
 @pytest.mark.gpu
-def test_the_timing_replays_a_graph_over_copies_past_the_l2_and_a_failure_is_infinite():
+def test_the_timing_replays_a_graph_over_copies_past_the_l2_and_a_failure_is_infinite(tmp_path, monkeypatch):
     # time_calls: one CUDA graph of a call per copy of the weight (together >= 3x the L2, each read from
-    # memory), its time per call; what fails does so before the capture (inf, the stream not left
-    # capturing); the copies go once the tuning is done.
+    # memory), its time per call; what fails, before the capture or inside it, is infinite (the stream not
+    # left capturing); the copies go once the tuning is done.
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)  # 8 MiB
@@ -441,6 +441,33 @@ def test_the_timing_replays_a_graph_over_copies_past_the_l2_and_a_failure_is_inf
     assert len(gemv_timing.ABANDONED) == abandoned + 1
     gc.collect()
     assert 0 < gemv_timing.time_calls(lambda w_: F.linear(x, w_), w) < 1  # and the next timing works
-    gemv_timing._COPIES.clear()
+    assert gemv_timing._COPIES  # the last timing's weight and its copies...
+    gemv_timing.drop_copies()
+    monkeypatch.setenv("SHAPEWISE_CACHE_DIR", str(tmp_path))  # an empty store: the tune below times
+    monkeypatch.delenv("SHAPEWISE_GEMV_TUNE", raising=False)
+    weights = gemv.tuning_stats()["weights"]
     gemv.tune(1, 2048 + 16, 2048, torch.bfloat16, False, "cuda")
-    assert gemv_timing._COPIES == []
+    assert gemv.tuning_stats()["weights"] == weights + 1 and gemv_timing._COPIES == []  # ...and a tune's, dropped
+
+
+def test_a_failed_capture_is_kept_for_good_and_its_pool_routing_ended(monkeypatch):
+    # On the CPU, a stand-in graph and torch's routing call: the graph is kept (its destructor, run by the
+    # collector while torch still routed its pool, aborted an H100 test worker), the routing of its pool
+    # ended on its device; where torch had ended it already (RuntimeError), nothing is raised.
+    ended = []
+
+    class Graph:
+        def pool(self):
+            return (7, 1)
+
+    def end(device, pool):
+        ended.append((device, pool))
+        if len(ended) > 1:
+            raise RuntimeError("not routed")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", end, raising=False)
+    monkeypatch.setattr(gemv_timing, "ABANDONED", [])
+    first, second = Graph(), Graph()
+    gemv_timing._abandon(first, torch.device("cuda", 1))
+    gemv_timing._abandon(second, torch.device("cuda", 0))
+    assert gemv_timing.ABANDONED == [first, second] and ended == [(1, (7, 1)), (0, (7, 1))]

@@ -34,7 +34,11 @@ def time_calls(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
     # without torch.cuda.graph's emptying of the allocator's cache; the stream is restored and the
     # capture ended whatever fn raises.
     with torch.cuda.stream(_timing_stream(w.device)):
-        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            graph.capture_begin(capture_error_mode="thread_local")
+        except Exception:  # torch routes the pool to the graph before it begins the stream's capture
+            _abandon(graph, w.device)
+            raise
         try:
             for c in copies:
                 fn(c)
