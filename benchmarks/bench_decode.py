@@ -75,7 +75,11 @@ The decode step is the call ``generate()`` makes: its arguments are recorded fro
 - the floor: the weights' bytes (read once per step) over the measured copy bandwidth (a 1 GiB
   device-to-device copy, bytes read plus bytes written), and the fraction of it reached;
 - ``generate()`` decode tokens/s: prompt 128, 256 new tokens, median of full generations over the
-  time past the first token;
+  time past the first token (from 2026-12-06 after one untimed generation of each length: on the CPU
+  the first one-token ``generate()`` took longer than a full one);
+- what ``generate()`` runs per decode token outside the forward (``--generate-profile``, from
+  2026-12-06): top-level ATen ops on the host, by name, and GPU launches per token against the step's
+  call alone (on one H200 host a token took 1.88 ms in ``generate()`` over a 0.92 ms GPU step);
 - correctness: each contender's tokens against eager's in fp32 on a 2-layer model of the same
   widths (``--check-layers``), and its bf16 per-step logits against the fp32 model's (relative
   error, over the steps before the first token where the two differ).
@@ -403,9 +407,72 @@ def generate_tokens_per_s(model, ids: torch.Tensor, new: int, device: str, repea
         sync(device)
         return time.perf_counter() - t0
 
+    timed(1), timed(new)  # warm-up: a one-token generate() may take a path a longer one does not (untimed)
     first = statistics.median(timed(1) for _ in range(repeats))
     full = statistics.median(timed(new) for _ in range(repeats))
-    return round((new - 1) / max(full - first, 1e-9), 1)
+    # (a full generation no longer than a one-token one: noise on a tiny model; no rate, never a huge one)
+    return round((new - 1) / (full - first), 1) if full > first else float("nan")
+
+
+def _launches(run: Any, model, device: str) -> tuple[Counter, int]:
+    """The ATen ops ``run()`` calls on the host outside ``model``'s forward (top-level ones, by name),
+    and every GPU kernel, copy and memset it launches (0 on the CPU), from torch.profiler. The
+    forward is marked with a ``record_function`` by hooks, so what runs inside it (through Dynamo's
+    frame or past it, compiled or not) is never counted as the host's; a CUDA graph's replay
+    launches each of its kernels."""
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    marks: list[Any] = []
+
+    def enter(*_: Any) -> None:
+        marks.append(record_function("bench_decode.forward"))
+        marks[-1].__enter__()
+
+    def leave(*_: Any) -> None:
+        marks.pop().__exit__(None, None, None)
+
+    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    try:
+        sync(device)
+        with torch_profile(activities=activities) as prof:
+            run()
+            sync(device)
+    finally:
+        for h in hooks:
+            h.remove()
+    ops: Counter[str] = Counter()
+    gpu = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu += 1
+        elif e.cpu_parent is None and e.name.startswith("aten::"):
+            ops[e.name] += 1
+    return ops, gpu
+
+
+def generate_launches(model, step: Step, ids: torch.Tensor, tokens: int, device: str) -> dict[str, Any]:
+    """What ``generate()`` runs per decode token outside the forward: top-level ATen ops on the host
+    (by name) and GPU launches per token (``generate(tokens)`` less ``generate(1)``, over ``tokens -
+    1``, as the tokens/s measure), beside the GPU launches of the step's call alone. Where a token's
+    host time exceeds the GPU step, this is what keeps the GPU waiting."""
+    def generate(n: int) -> Any:
+        with torch.no_grad():
+            return model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+
+    n = max(2, min(tokens, step.room))
+    one_ops, one_gpu = _launches(lambda: generate(1), model, device)
+    all_ops, all_gpu = _launches(lambda: generate(n), model, device)
+    step.rewind()
+    _, step_gpu = _launches(lambda: [step.call() for _ in range(n - 1)], model, device)
+    step.rewind()
+    per_token = {k: (all_ops[k] - one_ops[k]) / (n - 1) for k in all_ops}
+    return {"generate_host_ops_per_token": round(sum(per_token.values()), 1),
+            "generate_gpu_launches_per_token": round((all_gpu - one_gpu) / (n - 1), 1),
+            "step_gpu_launches_per_step": round(step_gpu / (n - 1), 1),
+            "generate_host_ops_by_name": {k: round(v, 2) for k, v in
+                                          sorted(per_token.items(), key=lambda kv: -kv[1])[:20] if v >= 0.5}}
 
 
 def check(shape: str, names: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -521,7 +588,10 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
             row["fraction_of_floor"] = round(floor_us / row["gpu_us_per_step"], 3)
         row["generate_decode_tokens_per_s"] = generate_tokens_per_s(models[name], ids, args.new, device,
                                                                     args.generate_repeats)
-        quiet = ("direct_info", "host_profile_top", "kernel_names_per_step", "kernel_us_by_name_per_step")
+        if args.generate_profile:
+            row.update(generate_launches(models[name], steps[name], ids, args.generate_profile, device))
+        quiet = ("direct_info", "host_profile_top", "kernel_names_per_step", "kernel_us_by_name_per_step",
+                 "generate_host_ops_by_name")
         print({k: v for k, v in row.items() if k not in quiet}, flush=True)
     return {"model": shape, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
             "weight_bytes": weight_bytes, "floor_us": round(floor_us, 1),
@@ -558,6 +628,19 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['generate_decode_tokens_per_s']} | {r.get('traces', '-')} | "
                 f"{r.get('fp32_same_tokens_as_eager', '-')} | {err} |")
         lines.append("")
+        counted = [r for r in m["rows"] if "generate_host_ops_per_token" in r]
+        if counted:
+            lines += ["What `generate()` runs per decode token outside the forward (torch.profiler: top-level "
+                      "ATen ops on the host; GPU kernels, copies and memsets, against the step's call alone):", "",
+                      "| contender | host ops/token outside the forward | GPU launches/token in generate() | "
+                      "GPU launches/step, the step alone | the host ops, per token |", "|---|---:|---:|---:|---|"]
+            for r in counted:
+                by_name = ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in
+                                    list(r["generate_host_ops_by_name"].items())[:10])
+                lines.append(f"| {r['contender']} | {r['generate_host_ops_per_token']} | "
+                             f"{r['generate_gpu_launches_per_token']} | {r['step_gpu_launches_per_step']} | "
+                             f"{by_name} |")
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -575,6 +658,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--gpu-steps", type=int, default=50)
     ap.add_argument("--profile-steps", type=int, default=20)
     ap.add_argument("--generate-repeats", type=int, default=3)
+    ap.add_argument("--generate-profile", type=int, default=64,
+                    help="count what generate() runs per token outside the forward, over this many tokens (0: not)")
     ap.add_argument("--host-profile", type=int, default=0, help="cProfile this many steps per contender (0: none)")
     ap.add_argument("--check-layers", type=int, default=2, help="layers of the correctness model (0: no check)")
     args = ap.parse_args(argv)
