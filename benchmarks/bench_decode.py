@@ -46,6 +46,9 @@ Contenders (each on its own copy of the weights):
                17da557 to ec97974 this contender was ``sw_full_gemv_pdl``);
   sw_full_gemv_pdl ``sw_full_pdl`` with ``graph_passes=[DecodeGemv(pdl=True)]``: the GEMVs too, the
                kernel for every weight, each prefetching its weight into L2 before it waits;
+  sw_full_masks   ``sw_full`` with ``graph_masks=True``: ``generate()`` hands the forward no mask (no
+               padding here), which builds it inside the graph, not transformers eagerly at every step
+               outside it (the step is recorded as ``generate()`` calls it: no mask, built in the graph);
   sw_full_checks_all ``sw_full`` checking everything every call, as before 2026-12-05 (evening): the
                direct call every attribute of the cache and its layers (no dict versions) and the
                graph its kept inputs' strides (``checks_all``): the lean host path's baseline.
@@ -113,7 +116,7 @@ from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_plain", "sw_full_nofuse", "sw_full_split",
               "sw_full_and_piecewise", "sw_full_nogemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor",
               "sw_full_nobatch", "sw_full_sync", "hf_recipe_deferred", "sw_full_checks_all", "sw_full_pdl",
-              "sw_full_gemv_pdl")
+              "sw_full_gemv_pdl", "sw_full_masks")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -178,6 +181,7 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
              "sw_full_nobatch": {"batch_updates": False}, "sw_full_sync": {"defer_stop": False},
              "sw_full_split": {"splitting_ops": ("sdpa",)},
              "sw_full_nogemv": {"decode_gemv": False},  # cuBLAS at decode
+             "sw_full_masks": {"graph_masks": True},
              "sw_full_pdl": {"pdl": True},
              "sw_full_gemv_pdl": {"pdl": True, "graph_passes": [sw.library.DecodeGemv(pdl=True)]},
              "sw_full_combo": {"grouped_decode": False}, "sw_full_gqa": {"combo_kernels": False}}[name]

@@ -144,12 +144,14 @@ def _keeps_outputs(model: torch.nn.Module, kwargs: dict) -> str | None:
     return next((f"{n} is set" for n in _KEEPS_OUTPUTS if get(n)), None)
 
 
-def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_stop: bool = False) -> Any:
+def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_stop: bool = False,
+                        graph_masks: bool = False) -> Any:
     """``model.generate`` that runs inside ``borrowed_outputs()`` (the CUDA graphs' logits not
     copied per step; ``borrow``) where the call keeps no output tensor (``_keeps_outputs``, on its
-    arguments bound by name: a positional ``generation_config`` counts), and inside
+    arguments bound by name: a positional ``generation_config`` counts), inside
     ``_compat.deferred_stop_checks()`` (``defer_stop``: on a CUDA model, whether to stop is read one
-    step late, so the host is never held at a step's end waiting for the GPU)."""
+    step late, so the host is never held at a step's end waiting for the GPU) and inside
+    ``_compat.masks_in_graph()`` (``graph_masks``: an unpadded call's masks built in the graph)."""
     generate = model.generate
     try:
         signature = inspect.signature(generate)
@@ -178,10 +180,13 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
                     scope.enter_context(borrowed_outputs())
             if defer_stop:
                 scope.enter_context(_compat.deferred_stop_checks())
+            if graph_masks:
+                scope.enter_context(_compat.masks_in_graph(model))
             return generate(*args, **kwargs)
 
     generate_shapewise.shapewise_borrows = borrow
     generate_shapewise.shapewise_defers_stop = defer_stop
+    generate_shapewise.shapewise_graph_masks = graph_masks
     return generate_shapewise
 
 
@@ -208,7 +213,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                      static_cache: bool | str = False, splitting_ops: Any = None, fuse_projections: bool | None = None,
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
                      batch_updates: bool | None = None, decode_gemv: bool | None = None,
-                     defer_stop: bool | None = None, pdl: bool = False, **options: Any) -> ShapewiseModule:
+                     defer_stop: bool | None = None, pdl: bool = False, graph_masks: bool = False,
+                     **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
 
@@ -279,6 +285,15 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     benchmarks/results/h200_20261205b), and with every GEMV in the kernel, each with PDL (a
     ``DecodeGemv(pdl=True)``), it made an H100's step slower (1359.7 against 1252.3 µs) and a chain
     of the GEMVs too (56.9 against 45.9 µs a layer; benchmarks/results/h100_20261206_default).
+    ``graph_masks``: with a static cache, ``generate()`` hands the forward no attention mask where the
+    call's own has no padding (``_compat.masks_in_graph``), so the forward builds its masks inside the
+    compiled graph, as when called directly, instead of transformers building them eagerly outside it
+    at every step (about half of the ~45 ATen ops a decode token runs outside the forward). Off by
+    default: on this project's 2-core CPU a tiny Llama's token in ``generate()`` took 352 against 431
+    µs with it (the same tokens and traces); not measured on a GPU yet. Not for a model whose class
+    builds its own masks for generate (multimodal and some hybrid models: there it does nothing), and
+    a model whose forward derives its positions from the mask's length fails to compile with it (OPT:
+    the static cache's length read as a value): leave it off there.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
@@ -289,6 +304,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         raise ConfigError("model.forward is compiled already; call compile_generate on the model once")
     if max_length < 2:
         raise ConfigError(f"max_length must be >= 2 (a prompt and one new token), got {max_length}")
+    if not isinstance(graph_masks, bool):
+        raise ConfigError(f"graph_masks must be True or False, got {graph_masks!r}")
     static_cache = _static_cache_for(model, static_cache)
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
@@ -397,6 +414,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     # prefill graph's buffers, which a cache returned or passed in would keep past the call).
     # Both wrap transformers' own generate() only, not one the model already replaced (Hub code).
     borrow = bool(cudagraphs_options(options.get("cudagraphs", False))) and static_cache
-    if (borrow or defer_stop) and hasattr(model, "generate") and "generate" not in vars(model):
-        model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop)
+    graph_masks = graph_masks and static_cache  # (transformers builds masks outside only for a static cache)
+    if (borrow or defer_stop or graph_masks) and hasattr(model, "generate") and "generate" not in vars(model):
+        model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop, graph_masks=graph_masks)
     return fast

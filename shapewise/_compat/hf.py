@@ -8,6 +8,12 @@ at every token. Where the stop comes from the model (an EOS token), one extra fo
 transformers drops its token (``_undo_generation_steps``); a stop at the length limit is known on
 the host and is never late. Only where the cache is not returned (transformers rolls a returned one
 back with ``crop``, per step), and not for an assistant model.
+
+``masks_in_graph(model)``: inside it, ``generate()`` hands ``model``'s forward no attention mask where
+the one it starts from has no padding, so the forward builds its masks itself, inside the compiled
+graph, as it does when called directly; with a static cache transformers otherwise builds them outside
+the forward, eagerly, at every step (``create_masks_for_generate``: about half of the ~45 ATen ops a
+decode token runs outside the forward on transformers 5.25).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["deferred_stop_checks"]
+__all__ = ["deferred_stop_checks", "masks_in_graph"]
 
 _log = logging.getLogger("shapewise")
 _DEVICES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("shapewise_deferred_stops", default=())
@@ -82,3 +88,36 @@ def deferred_stop_checks(devices: Sequence[str] = ("cuda",)) -> Iterator[bool]:
         yield True
     finally:
         _DEVICES.reset(token)
+
+
+@contextlib.contextmanager
+def masks_in_graph(model: torch.nn.Module) -> Iterator[bool]:
+    """Inside it, ``model.generate()`` passes the forward ``attention_mask=None`` in place of the masks
+    it would build for a static cache, where the 2D mask of the call has no padding (checked once, at
+    the call's first step: a 0 anywhere, or a mask that is not 2D, keeps transformers' masks for the
+    whole call; decode steps only add ones). Yields whether it is in effect: not for a model whose
+    class builds its own masks for generate (``create_masks_for_generate``: multimodal and hybrid
+    models, whose masks carry more than padding) or with a transformers that has no such step."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield False
+        return
+    original = getattr(masking_utils, "create_masks_for_generate", None)
+    if original is None or hasattr(type(model), "create_masks_for_generate") \
+            or "create_masks_for_generate" in vars(model):
+        yield False
+        return
+    padded: list[bool] = []  # decided at the call's first step
+
+    def create_masks_for_generate(*args, **kwargs):
+        if not padded:
+            mask = kwargs.get("attention_mask")
+            padded.append(mask is not None and (mask.dim() != 2 or not bool(mask.all())))
+        return original(*args, **kwargs) if padded[0] else None
+
+    model.create_masks_for_generate = create_masks_for_generate  # transformers asks the model first
+    try:
+        yield True
+    finally:
+        del model.create_masks_for_generate

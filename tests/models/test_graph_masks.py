@@ -1,0 +1,100 @@
+"""``compile_generate(graph_masks=True)``: with a static cache, an unpadded ``generate()`` hands the
+compiled forward no attention mask, so the forward builds its masks inside the graph, not transformers
+outside it at every step; a padded call, and a model that builds its own masks for generate, keep
+transformers' masks. Tokens equal eager's either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shapewise as sw
+from shapewise.errors import ConfigError
+
+transformers = pytest.importorskip("transformers")
+from tests.models.configs import DECODERS  # noqa: E402
+
+KW = dict(prompt_sizes=[6], max_length=32, static_cache=True, backend="aot_eager", splitting_ops=())
+RUN = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False)
+
+
+def _model(name: str, cls=None):
+    config, own = DECODERS[name]
+    torch.manual_seed(0)
+    return (cls or own)(config()).eval()
+
+
+def _masks_seen(model) -> list:
+    """The attention mask ``generate()`` hands the forward at each step (from its input preparation)."""
+    seen = []
+    prepare = model.prepare_inputs_for_generation
+
+    def spy(*args, **kwargs):
+        out = prepare(*args, **kwargs)
+        seen.append(out.get("attention_mask"))
+        return out
+
+    model.prepare_inputs_for_generation = spy
+    return seen
+
+
+def _eager(model, ids, **run):
+    with torch.no_grad():
+        model.generation_config.disable_compile = True
+        return model.generate(ids, **RUN, cache_implementation="static", **run)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])  # qwen2's masks are a dict; mistral's slide (8)
+def test_unpadded_calls_build_their_masks_in_the_graph_with_eagers_tokens_and_traces(name):
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(1))
+    traces = {}
+    for graph_masks in (False, True):
+        model = _model(name)
+        want = _eager(model, ids)
+        fast = sw.compile_generate(model, graph_masks=graph_masks, **KW)
+        seen = _masks_seen(model)
+        with torch.no_grad():
+            for _ in range(2):  # the second call through the direct calls the first one armed
+                assert torch.equal(model.generate(ids, **RUN), want)
+        assert all(m is None for m in seen) == graph_masks and len(seen) == 2 * 20
+        traces[graph_masks] = fast.traces
+    assert traces[True] == traces[False]  # (two: prefill and decode; mistral's window one more)
+
+
+def test_a_padded_call_keeps_transformers_masks_for_the_whole_call():
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
+    model = _model("llama")
+    want = _eager(model, ids, attention_mask=mask)
+    sw.compile_generate(model, graph_masks=True, **KW)
+    seen = _masks_seen(model)
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=mask, **RUN)
+        assert torch.equal(got, want) and all(m is not None for m in seen)
+        seen.clear()  # and the next, unpadded call is decided anew
+        assert torch.equal(model.generate(ids, **RUN), _eager(_model("llama"), ids))
+    assert all(m is None for m in seen)
+    assert "create_masks_for_generate" not in vars(model)  # put back after each call
+
+
+def test_a_model_that_builds_its_own_masks_for_generate_keeps_them():
+    from transformers import masking_utils
+
+    class OwnMasks(DECODERS["llama"][1]):
+        def create_masks_for_generate(self, **kwargs):
+            return masking_utils.create_masks_for_generate(**kwargs)
+
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(3))
+    model = _model("llama", OwnMasks)
+    want = _eager(model, ids)
+    sw.compile_generate(model, graph_masks=True, **KW)
+    seen = _masks_seen(model)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **RUN), want)
+    # (an unpadded prefill's mask can be None anyway: SDPA's own causal flag serves it)
+    assert all(m is not None for m in seen[1:]) and len(seen) == 20
+
+
+def test_graph_masks_must_be_a_bool():
+    with pytest.raises(ConfigError, match="graph_masks must be True or False, got 'yes'"):
+        sw.compile_generate(_model("llama"), graph_masks="yes", **KW)
