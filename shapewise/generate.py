@@ -38,7 +38,7 @@ import torch
 from shapewise import _compat
 from shapewise.backend import cudagraphs_options
 from shapewise.dispatch.copies import borrowed_outputs
-from shapewise.errors import ConfigError
+from shapewise.errors import CompileError, ConfigError
 from shapewise.module import ShapewiseModule
 
 log = logging.getLogger("shapewise")
@@ -171,8 +171,9 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
                       if p.kind is inspect.Parameter.VAR_KEYWORD and n in bound), {})
         return {**bound, **extra}
 
-    @functools.wraps(generate)
-    def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
+    masks = [graph_masks]  # off for good once the forward fails to compile without a mask
+
+    def run(args: tuple, kwargs: dict, in_graph: bool) -> Any:
         with contextlib.ExitStack() as scope:
             if borrow:
                 named = by_name(args, kwargs)
@@ -180,9 +181,30 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
                     scope.enter_context(borrowed_outputs())
             if defer_stop:
                 scope.enter_context(_compat.deferred_stop_checks())
-            if graph_masks:
+            if in_graph:
                 scope.enter_context(_compat.masks_in_graph(model))
             return generate(*args, **kwargs)
+
+    @functools.wraps(generate)
+    def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
+        if not masks[0]:
+            return run(args, kwargs, False)
+        try:
+            return run(args, kwargs, True)
+        except CompileError as e:
+            # A forward that reads the mask's length as a value (OPT's positions) does not compile without
+            # one. Nothing was generated (the traces compile at a call's first prefill and decode step),
+            # unless a streamer was given tokens: then say so rather than stream them twice.
+            masks[0] = False
+            why = str(e).splitlines()[0][:300]
+            if kwargs.get("streamer") is not None:
+                raise CompileError(f"compile_generate(graph_masks=True): {type(model).__name__}'s forward did not "
+                                   f"compile without an attention mask ({why}); graph_masks is now off for this "
+                                   "model: call generate() again") from e
+            log.warning("shapewise: compile_generate(graph_masks=True): %s's forward did not compile without an "
+                        "attention mask (%s); generate() hands it transformers' masks from now on",
+                        type(model).__name__, why)
+            return run(args, kwargs, False)
 
     generate_shapewise.shapewise_borrows = borrow
     generate_shapewise.shapewise_defers_stop = defer_stop
@@ -291,9 +313,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     at every step (about half of the ~45 ATen ops a decode token runs outside the forward). Off by
     default: on this project's 2-core CPU a tiny Llama's token in ``generate()`` took 352 against 431
     µs with it (the same tokens and traces); not measured on a GPU yet. Not for a model whose class
-    builds its own masks for generate (multimodal and some hybrid models: there it does nothing), and
-    a model whose forward derives its positions from the mask's length fails to compile with it (OPT:
-    the static cache's length read as a value): leave it off there.
+    builds its own masks for generate (multimodal and some hybrid models: there it does nothing). A
+    forward that needs the mask to compile (OPT derives its positions from the mask's length, the static
+    cache's length read as a value) fails its first compile without it: ``generate()`` then says so in a
+    warning and runs with transformers' masks, for that call and every later one.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]

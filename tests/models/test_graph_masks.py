@@ -5,6 +5,8 @@ transformers' masks. Tokens equal eager's either way."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -92,6 +94,23 @@ def test_a_model_that_builds_its_own_masks_for_generate_keeps_them():
     with torch.no_grad():
         assert torch.equal(model.generate(ids, **RUN), want)
     # (an unpadded prefill's mask can be None anyway: SDPA's own causal flag serves it)
+    assert all(m is not None for m in seen[1:]) and len(seen) == 20
+
+
+def test_a_forward_that_needs_the_mask_to_compile_warns_once_and_keeps_transformers_masks(caplog):
+    # OPT derives its positions from the mask's length: without a mask, the static cache's length is read
+    # as a value, which a compile cannot; the call runs again with transformers' masks, as do later ones.
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(4))
+    model = _model("opt")
+    want = _eager(model, ids)
+    sw.compile_generate(model, graph_masks=True, **KW)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="shapewise"):
+        assert torch.equal(model.generate(ids, **RUN), want)
+        warned = [r.getMessage() for r in caplog.records if "graph_masks" in r.getMessage()]
+        assert len(warned) == 1 and "OPTForCausalLM's forward did not compile without an attention mask" in warned[0]
+        seen = _masks_seen(model)
+        assert torch.equal(model.generate(ids, **RUN), want)
+    assert len([r for r in caplog.records if "graph_masks" in r.getMessage()]) == 1
     assert all(m is not None for m in seen[1:]) and len(seen) == 20
 
 
