@@ -313,7 +313,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     at every step (about half of the ~45 ATen ops a decode token runs outside the forward). Off by
     default: on this project's 2-core CPU a tiny Llama's token in ``generate()`` took 352 against 431
     µs with it (the same tokens and traces); not measured on a GPU yet. Not for a model whose class
-    builds its own masks for generate (multimodal and some hybrid models: there it does nothing). A
+    builds its own masks for generate (multimodal and some hybrid models) or an encoder-decoder: there
+    it does nothing. A
     forward that needs the mask to compile (OPT derives its positions from the mask's length, the static
     cache's length read as a value) fails its first compile without it: ``generate()`` then says so in a
     warning and runs with transformers' masks, for that call and every later one.

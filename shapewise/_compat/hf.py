@@ -97,7 +97,8 @@ def masks_in_graph(model: torch.nn.Module) -> Iterator[bool]:
     the call's first step: a 0 anywhere, or a mask that is not 2D, keeps transformers' masks for the
     whole call; decode steps only add ones). Yields whether it is in effect: not for a model whose
     class builds its own masks for generate (``create_masks_for_generate``: multimodal and hybrid
-    models, whose masks carry more than padding) or with a transformers that has no such step."""
+    models, whose masks carry more than padding), not for an encoder-decoder (untried), nor with a
+    transformers that has no such step."""
     try:
         from transformers import masking_utils
     except ImportError:
@@ -105,7 +106,8 @@ def masks_in_graph(model: torch.nn.Module) -> Iterator[bool]:
         return
     original = getattr(masking_utils, "create_masks_for_generate", None)
     if original is None or hasattr(type(model), "create_masks_for_generate") \
-            or "create_masks_for_generate" in vars(model):
+            or "create_masks_for_generate" in vars(model) \
+            or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         yield False
         return
     padded: list[bool] = []  # decided at the call's first step
