@@ -38,4 +38,9 @@ class InputMismatch(ShapewiseError, TypeError):
 
 
 class CompileError(ShapewiseError, RuntimeError):
-    """A variant failed to compile; names the piece, the binding and the cause."""
+    """A variant failed to compile; names the piece, the binding and the cause. ``reads_values``: the
+    cause is a read of a tensor's value into a size or into Python (``.item()``, ``nonzero``)."""
+
+    def __init__(self, *args: object, reads_values: bool = False) -> None:
+        super().__init__(*args)
+        self.reads_values = reads_values

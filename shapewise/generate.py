@@ -189,27 +189,52 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
     def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
         if not masks[0]:
             return run(args, kwargs, False)
+        rng = _rng_states()
         try:
             return run(args, kwargs, True)
         except CompileError as e:
+            if not e.reads_values:  # not what a missing mask causes: the user's to see
+                raise
             # A forward that reads the mask's length as a value (OPT's positions) does not compile without
-            # one. Nothing was generated (the traces compile at a call's first prefill and decode step),
-            # unless a streamer was given tokens: then say so rather than stream them twice.
-            masks[0] = False
+            # one. The call ran up to that compile (a prefill, maybe its first token): it runs again from
+            # the same random state, unless it was given state it may have changed or handed out.
+            masks[0] = generate_shapewise.shapewise_graph_masks = False
             why = str(e).splitlines()[0][:300]
-            if kwargs.get("streamer") is not None:
+            named = by_name(args, kwargs)
+            given = sorted(set(named or ()) & _CALL_STATE) if named is not None else ["arguments not bound"]
+            if given:
                 raise CompileError(f"compile_generate(graph_masks=True): {type(model).__name__}'s forward did not "
                                    f"compile without an attention mask ({why}); graph_masks is now off for this "
-                                   "model: call generate() again") from e
+                                   f"model. This call was given {given}, which it may have used: call "
+                                   "generate() again") from e
             log.warning("shapewise: compile_generate(graph_masks=True): %s's forward did not compile without an "
-                        "attention mask (%s); generate() hands it transformers' masks from now on",
+                        "attention mask (%s); generate() hands it transformers' masks from now on, this call too",
                         type(model).__name__, why)
+            _set_rng_states(rng)
             return run(args, kwargs, False)
 
     generate_shapewise.shapewise_borrows = borrow
     generate_shapewise.shapewise_defers_stop = defer_stop
     generate_shapewise.shapewise_graph_masks = graph_masks
     return generate_shapewise
+
+
+# generate() arguments whose state a call can change or hand out before a compile fails in it: such a call
+# is not run again by graph_masks' fallback (a cache it wrote, tokens streamed, stateful processors).
+_CALL_STATE = frozenset({"past_key_values", "cache", "streamer", "logits_processor", "stopping_criteria",
+                         "assistant_model", "prefix_allowed_tokens_fn"})
+
+
+def _rng_states() -> tuple:
+    """The CPU's and (where initialised) the GPUs' random states: a sampled call run again draws the same."""
+    return torch.random.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, cuda = states
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _static_cache_for(model: torch.nn.Module, asked: bool | str) -> bool:
@@ -311,8 +336,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     call's own has no padding (``_compat.masks_in_graph``), so the forward builds its masks inside the
     compiled graph, as when called directly, instead of transformers building them eagerly outside it
     at every step (about half of the ~45 ATen ops a decode token runs outside the forward). Off by
-    default: on this project's 2-core CPU a tiny Llama's token in ``generate()`` took 352 against 431
-    µs with it (the same tokens and traces); not measured on a GPU yet. Not for a model whose class
+    default: on this project's 2-core CPU a tiny Llama's ``generate()`` ran 3014.9 against 2290.9
+    tokens/s with it, the same tokens and traces (benchmarks/results/graph_masks_cpu); not measured on
+    a GPU yet. Not for a model whose class
     builds its own masks for generate (multimodal and some hybrid models) or an encoder-decoder: there
     it does nothing. A
     forward that needs the mask to compile (OPT derives its positions from the mask's length, the static
@@ -438,7 +464,14 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     # prefill graph's buffers, which a cache returned or passed in would keep past the call).
     # Both wrap transformers' own generate() only, not one the model already replaced (Hub code).
     borrow = bool(cudagraphs_options(options.get("cudagraphs", False))) and static_cache
-    graph_masks = graph_masks and static_cache  # (transformers builds masks outside only for a static cache)
-    if (borrow or defer_stop or graph_masks) and hasattr(model, "generate") and "generate" not in vars(model):
+    if graph_masks and not static_cache:
+        log.warning("shapewise: compile_generate(graph_masks=True) does nothing without a static cache: "
+                    "transformers builds masks outside the forward only for one")
+        graph_masks = False
+    own_generate = not hasattr(model, "generate") or "generate" in vars(model)
+    if graph_masks and own_generate:
+        log.warning("shapewise: compile_generate(graph_masks=True) does nothing for a model whose generate() is "
+                    "not transformers' own")
+    if (borrow or defer_stop or graph_masks) and not own_generate:
         model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop, graph_masks=graph_masks)
     return fast

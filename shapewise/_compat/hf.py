@@ -23,6 +23,7 @@ import contextvars
 import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -90,36 +91,58 @@ def deferred_stop_checks(devices: Sequence[str] = ("cuda",)) -> Iterator[bool]:
         _DEVICES.reset(token)
 
 
+# The model whose generate() call is inside masks_in_graph, and that call's [padding seen].
+_MASKS: contextvars.ContextVar[tuple[torch.nn.Module, list[bool]] | None] = contextvars.ContextVar(
+    "shapewise_graph_masks", default=None)
+
+
 @contextlib.contextmanager
 def masks_in_graph(model: torch.nn.Module) -> Iterator[bool]:
     """Inside it, ``model.generate()`` passes the forward ``attention_mask=None`` in place of the masks
-    it would build for a static cache, where the 2D mask of the call has no padding (checked once, at
-    the call's first step: a 0 anywhere, or a mask that is not 2D, keeps transformers' masks for the
-    whole call; decode steps only add ones). Yields whether it is in effect: not for a model whose
-    class builds its own masks for generate (``create_masks_for_generate``: multimodal and hybrid
-    models, whose masks carry more than padding), not for an encoder-decoder (untried), nor with a
-    transformers that has no such step."""
+    it would build for a static cache, where the call's 2D mask has no padding. Each prefill step (each
+    chunk of a chunked prefill, ``is_first_iteration``; else the call's first step) checks its mask: a 0,
+    or a mask that is not 2D, keeps transformers' masks for the rest of the call (decode steps only add
+    ones). Yields whether it is in effect: not for a model whose class builds its own masks for
+    generate (``create_masks_for_generate``: multimodal and hybrid models, whose masks carry more than
+    padding) or that has one of its own, not for an encoder-decoder (untried), nor with a transformers
+    that has no such step. The model keeps a wrapper (``_graph_masks_step``) that, outside this context
+    (another thread's call, a nested one), builds transformers' masks as before."""
     try:
         from transformers import masking_utils
     except ImportError:
         yield False
         return
     original = getattr(masking_utils, "create_masks_for_generate", None)
+    own = vars(model).get("create_masks_for_generate")
     if original is None or hasattr(type(model), "create_masks_for_generate") \
-            or "create_masks_for_generate" in vars(model) \
+            or (own is not None and not getattr(own, "shapewise_graph_masks", False)) \
             or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         yield False
         return
-    padded: list[bool] = []  # decided at the call's first step
-
-    def create_masks_for_generate(*args, **kwargs):
-        if not padded:
-            mask = kwargs.get("attention_mask")
-            padded.append(mask is not None and (mask.dim() != 2 or not bool(mask.all())))
-        return original(*args, **kwargs) if padded[0] else None
-
-    model.create_masks_for_generate = create_masks_for_generate  # transformers asks the model first
+    if own is None:
+        model.create_masks_for_generate = _graph_masks_step(model, original)  # transformers asks the model first
+    token = _MASKS.set((model, []))  # this call's [padding seen], decided at its first step
     try:
         yield True
     finally:
-        del model.create_masks_for_generate
+        _MASKS.reset(token)
+
+
+def _graph_masks_step(model: torch.nn.Module, original):
+    """``model``'s ``create_masks_for_generate`` for ``masks_in_graph``: None inside it (for ``model``'s
+    call), for an unpadded call; ``original`` (transformers') everywhere else."""
+    owner = weakref.ref(model)  # (the model holds this function)
+
+    def create_masks_for_generate(*args, **kwargs):
+        current = _MASKS.get()
+        if current is None or current[0] is not owner():
+            return original(*args, **kwargs)
+        state = current[1]
+        if not state or kwargs.get("is_first_iteration"):  # a prefill step (one sync, at prefill only)
+            mask = kwargs.get("attention_mask")
+            padded = mask is not None and (mask.dim() != 2 or not bool(mask.all()))
+            state[:] = [bool(state and state[0]) or padded]
+        return original(*args, **kwargs) if state[0] else None
+
+    create_masks_for_generate.shapewise_graph_masks = True
+    return create_masks_for_generate

@@ -228,7 +228,7 @@ class CompileSession:
             msg = (f"compiling {piece.name} for {variant.binding.describe(names)} with backend "
                    f"{lower.backend_name!r} failed{hint}: {type(e).__name__}: {e}")
             if lower.on_compile_error != "fallback":
-                raise CompileError(msg) from e
+                raise CompileError(msg, reads_values=bool(hint)) from e
             log.warning("shapewise: %s; running this variant eagerly instead", msg)
             fn, source, error = piece.gm.forward, "fallback", f"{type(e).__name__}: {e}"
         # A rewritten graph's nodes carry no fake values to decide from: it keeps its wrappers.

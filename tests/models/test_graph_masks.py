@@ -76,7 +76,20 @@ def test_a_padded_call_keeps_transformers_masks_for_the_whole_call():
         seen.clear()  # and the next, unpadded call is decided anew
         assert torch.equal(model.generate(ids, **RUN), _eager(_model("llama"), ids))
     assert all(m is None for m in seen)
-    assert "create_masks_for_generate" not in vars(model)  # put back after each call
+
+
+def test_a_chunked_prefill_checks_every_chunk_for_padding():
+    # prefill_chunk_size=2: the padding (a 0 in the third chunk) is seen at that chunk, and the call keeps
+    # transformers' masks from there on
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([[1, 1, 1, 1, 0, 1]])
+    model = _model("llama")
+    want = _eager(model, ids, attention_mask=mask, prefill_chunk_size=2)
+    sw.compile_generate(model, graph_masks=True, **{**KW, "prompt_sizes": [2, 6]})
+    seen = _masks_seen(model)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, attention_mask=mask, prefill_chunk_size=2, **RUN), want)
+    assert [m is None for m in seen[:3]] == [True, True, False] and all(m is not None for m in seen[3:])
 
 
 def test_a_model_that_builds_its_own_masks_for_generate_keeps_them():
@@ -112,6 +125,37 @@ def test_a_forward_that_needs_the_mask_to_compile_warns_once_and_keeps_transform
         assert torch.equal(model.generate(ids, **RUN), want)
     assert len([r for r in caplog.records if "graph_masks" in r.getMessage()]) == 1
     assert all(m is not None for m in seen[1:]) and len(seen) == 20
+
+
+def test_the_fallback_runs_a_sampled_call_again_from_its_random_state_and_never_a_streamed_one():
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(6))
+    sample = dict(max_new_tokens=8, min_new_tokens=8, do_sample=True, top_k=0)
+    model = _model("opt")
+    sw.compile_generate(model, graph_masks=True, **KW)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        first = model.generate(ids, **sample)  # fails without a mask after its prefill's sample, runs again
+        torch.manual_seed(7)
+        assert torch.equal(model.generate(ids, **sample), first)  # (with transformers' masks from the start)
+
+    class Streamer:
+        def __init__(self):
+            self.got = []
+
+        def put(self, value):
+            self.got.append(value)
+
+        def end(self):
+            pass
+
+    model = _model("opt")
+    sw.compile_generate(model, graph_masks=True, **KW)
+    streamer = Streamer()
+    with torch.no_grad(), pytest.raises(sw.errors.CompileError, match=r"given \['streamer'\].*call generate\(\) again"):
+        model.generate(ids, streamer=streamer, **RUN)
+    assert streamer.got  # (it had the prompt: hence no second run)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **RUN), _eager(_model("opt"), ids))
 
 
 def test_graph_masks_must_be_a_bool():
