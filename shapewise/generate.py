@@ -336,7 +336,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     call's own has no padding (``_compat.masks_in_graph``), so the forward builds its masks inside the
     compiled graph, as when called directly, instead of transformers building them eagerly outside it
     at every step (about half of the ~45 ATen ops a decode token runs outside the forward). Off by
-    default: on this project's 2-core CPU a tiny Llama's ``generate()`` ran 3014.9 against 2290.9
+    default: on this project's 2-core CPU a tiny Llama's ``generate()`` ran 3161.8 against 2438.9
     tokens/s with it, the same tokens and traces (benchmarks/results/graph_masks_cpu); not measured on
     a GPU yet. Not for a model whose class
     builds its own masks for generate (multimodal and some hybrid models) or an encoder-decoder: there
