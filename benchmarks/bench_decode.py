@@ -379,6 +379,7 @@ def profile(step: Step, device: str, steps: int) -> dict[str, Any]:
         kernel_us += took
         times[e.name] += took
     return {"kernels_per_step": kernels / steps, "copies_per_step": copies / steps,
+            "gpu_events_per_step": sum(names.values()) / steps,  # kernels, memcpys and memsets, each once
             "fused_kernels_named_copy_per_step": fused_copy_names / steps,
             "memsets_per_step": memsets / steps, "kernel_us_per_step": round(kernel_us / steps, 1),
             "kernel_names_per_step": {n: round(c / steps, 2) for n, c in names.most_common(60)},
@@ -456,25 +457,21 @@ def _launches(run: Any, model, device: str) -> tuple[Counter, int]:
     return ops, gpu
 
 
-def generate_launches(model, step: Step, ids: torch.Tensor, tokens: int, device: str) -> dict[str, Any]:
+def generate_launches(model, ids: torch.Tensor, tokens: int, device: str) -> dict[str, Any]:
     """What ``generate()`` runs per decode token outside the forward: top-level ATen ops on the host
     (by name) and GPU launches per token (``generate(tokens)`` less ``generate(1)``, over ``tokens -
-    1``, as the tokens/s measure), beside the GPU launches of the step's call alone. Where a token's
-    host time exceeds the GPU step, this is what keeps the GPU waiting."""
+    1``, as the tokens/s measure), to set beside the step's own (``profile``'s ``gpu_events_per_step``).
+    Where a token's host time exceeds the GPU step, this is what keeps the GPU waiting."""
     def generate(n: int) -> Any:
         with torch.no_grad():
             return model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
 
-    n = max(2, min(tokens, step.room))
+    n = max(2, tokens)
     one_ops, one_gpu = _launches(lambda: generate(1), model, device)
     all_ops, all_gpu = _launches(lambda: generate(n), model, device)
-    step.rewind()
-    _, step_gpu = _launches(lambda: [step.call() for _ in range(n - 1)], model, device)
-    step.rewind()
     per_token = {k: (all_ops[k] - one_ops[k]) / (n - 1) for k in all_ops}
     return {"generate_host_ops_per_token": round(sum(per_token.values()), 1),
             "generate_gpu_launches_per_token": round((all_gpu - one_gpu) / (n - 1), 1),
-            "step_gpu_launches_per_step": round(step_gpu / (n - 1), 1),
             "generate_host_ops_by_name": {k: round(v, 2) for k, v in
                                           sorted(per_token.items(), key=lambda kv: -kv[1])[:20] if v >= 0.5}}
 
@@ -593,7 +590,7 @@ def bench_model(shape: str, args: argparse.Namespace, bandwidth: float) -> dict[
         row["generate_decode_tokens_per_s"] = generate_tokens_per_s(models[name], ids, args.new, device,
                                                                     args.generate_repeats)
         if args.generate_profile:
-            row.update(generate_launches(models[name], steps[name], ids, args.generate_profile, device))
+            row.update(generate_launches(models[name], ids, min(args.generate_profile, args.new), device))
         quiet = ("direct_info", "host_profile_top", "kernel_names_per_step", "kernel_us_by_name_per_step",
                  "generate_host_ops_by_name")
         print({k: v for k, v in row.items() if k not in quiet}, flush=True)
@@ -642,7 +639,7 @@ def markdown(result: dict[str, Any]) -> str:
                 by_name = ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in
                                     list(r["generate_host_ops_by_name"].items())[:10])
                 lines.append(f"| {r['contender']} | {r['generate_host_ops_per_token']} | "
-                             f"{r['generate_gpu_launches_per_token']} | {r['step_gpu_launches_per_step']} | "
+                             f"{r['generate_gpu_launches_per_token']} | {r.get('gpu_events_per_step', '-')} | "
                              f"{by_name} |")
             lines.append("")
     return "\n".join(lines)

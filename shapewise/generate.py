@@ -171,8 +171,6 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
                       if p.kind is inspect.Parameter.VAR_KEYWORD and n in bound), {})
         return {**bound, **extra}
 
-    masks = [graph_masks]  # off for good once the forward fails to compile without a mask
-
     def run(args: tuple, kwargs: dict, in_graph: bool) -> Any:
         with contextlib.ExitStack() as scope:
             if borrow:
@@ -187,7 +185,7 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
 
     @functools.wraps(generate)
     def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
-        if not masks[0]:
+        if not generate_shapewise.shapewise_graph_masks:  # (off for good once a forward needed the mask)
             return run(args, kwargs, False)
         rng = _rng_states()
         try:
@@ -198,7 +196,7 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
             # A forward that reads the mask's length as a value (OPT's positions) does not compile without
             # one. The call ran up to that compile (a prefill, maybe its first token): it runs again from
             # the same random state, unless it was given state it may have changed or handed out.
-            masks[0] = generate_shapewise.shapewise_graph_masks = False
+            generate_shapewise.shapewise_graph_masks = False
             why = str(e).splitlines()[0][:300]
             named = by_name(args, kwargs)
             given = sorted(set(named or ()) & _CALL_STATE) if named is not None else ["arguments not bound"]
@@ -338,12 +336,11 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     at every step (about half of the ~45 ATen ops a decode token runs outside the forward). Off by
     default: on this project's 2-core CPU a tiny Llama's ``generate()`` ran 3161.8 against 2438.9
     tokens/s with it, the same tokens and traces (benchmarks/results/graph_masks_cpu); not measured on
-    a GPU yet. Not for a model whose class
-    builds its own masks for generate (multimodal and some hybrid models) or an encoder-decoder: there
-    it does nothing. A
-    forward that needs the mask to compile (OPT derives its positions from the mask's length, the static
-    cache's length read as a value) fails its first compile without it: ``generate()`` then says so in a
-    warning and runs with transformers' masks, for that call and every later one.
+    a GPU yet. Not for a model whose class builds its own masks for generate (multimodal and some
+    hybrid models) or an encoder-decoder: there it does nothing. A forward that needs the mask to
+    compile (OPT derives its positions from the mask's length, the static cache's length read as a
+    value) fails its first compile without it: ``generate()`` then says so in a warning and runs with
+    transformers' masks, for that call and every later one.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]

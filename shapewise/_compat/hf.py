@@ -91,8 +91,8 @@ def deferred_stop_checks(devices: Sequence[str] = ("cuda",)) -> Iterator[bool]:
         _DEVICES.reset(token)
 
 
-# The model whose generate() call is inside masks_in_graph, and that call's [padding seen].
-_MASKS: contextvars.ContextVar[tuple[torch.nn.Module, list[bool]] | None] = contextvars.ContextVar(
+# The model whose generate() call is inside masks_in_graph, and that call's [padding seen: None until its first step].
+_MASKS: contextvars.ContextVar[tuple[torch.nn.Module, list[bool | None]] | None] = contextvars.ContextVar(
     "shapewise_graph_masks", default=None)
 
 
@@ -121,7 +121,7 @@ def masks_in_graph(model: torch.nn.Module) -> Iterator[bool]:
         return
     if own is None:
         model.create_masks_for_generate = _graph_masks_step(model, original)  # transformers asks the model first
-    token = _MASKS.set((model, []))  # this call's [padding seen], decided at its first step
+    token = _MASKS.set((model, [None]))
     try:
         yield True
     finally:
@@ -137,12 +137,11 @@ def _graph_masks_step(model: torch.nn.Module, original):
         current = _MASKS.get()
         if current is None or current[0] is not owner():
             return original(*args, **kwargs)
-        state = current[1]
-        if not state or kwargs.get("is_first_iteration"):  # a prefill step (one sync, at prefill only)
+        padded = current[1]
+        if padded[0] is None or (kwargs.get("is_first_iteration") and not padded[0]):  # prefill: one sync
             mask = kwargs.get("attention_mask")
-            padded = mask is not None and (mask.dim() != 2 or not bool(mask.all()))
-            state[:] = [bool(state and state[0]) or padded]
-        return original(*args, **kwargs) if state[0] else None
+            padded[0] = mask is not None and (mask.dim() != 2 or not bool(mask.all()))
+        return original(*args, **kwargs) if padded[0] else None
 
     create_masks_for_generate.shapewise_graph_masks = True
     return create_masks_for_generate
