@@ -419,34 +419,19 @@ def generate_tokens_per_s(model, ids: torch.Tensor, new: int, device: str, repea
     return round((new - 1) / (full - first), 1) if full > first else float("nan")
 
 
-def _launches(run: Any, model, device: str) -> tuple[Counter, int]:
-    """The ATen ops ``run()`` calls on the host outside ``model``'s forward (top-level ones, by name),
-    and every GPU kernel, copy and memset it launches (0 on the CPU), from torch.profiler. The
-    forward is marked with a ``record_function`` by hooks, so what runs inside it (through Dynamo's
-    frame or past it, compiled or not) is never counted as the host's; a CUDA graph's replay
-    launches each of its kernels."""
-    from torch.profiler import ProfilerActivity, record_function
+def _launches(run: Any, device: str) -> tuple[Counter, int]:
+    """The ATen ops ``run()`` calls on the host outside the model's forward (top-level ones, by name:
+    the forward's own sit under ``_marked_forward``'s mark, or under Dynamo's "Torch-Compiled Region"
+    where the forward is compiled by the caller), and every GPU kernel, copy and memset it launches
+    (0 on the CPU), from torch.profiler; a CUDA graph's replay launches each of its kernels."""
+    from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    marks: list[Any] = []
-
-    def enter(*_: Any) -> None:
-        marks.append(record_function("bench_decode.forward"))
-        marks[-1].__enter__()
-
-    def leave(*_: Any) -> None:
-        marks.pop().__exit__(None, None, None)
-
-    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    try:
+    sync(device)
+    with torch_profile(activities=activities) as prof:
+        run()
         sync(device)
-        with torch_profile(activities=activities) as prof:
-            run()
-            sync(device)
-    finally:
-        for h in hooks:
-            h.remove()
     ops: Counter[str] = Counter()
     gpu = 0
     for e in prof.events():
@@ -457,18 +442,50 @@ def _launches(run: Any, model, device: str) -> tuple[Counter, int]:
     return ops, gpu
 
 
+@contextlib.contextmanager
+def _marked_forward(model) -> Iterator[None]:
+    """Hooks that wrap each eager call of ``model``'s forward in a ``record_function``, so what runs
+    inside it (through a frame shapewise compiled, or past it) is never counted as the host's. Where
+    the caller compiles the module's call itself (transformers' recipe compiles ``__call__``, hooks
+    and all), Dynamo traces the hooks: there they do nothing (a profiler mark is not traceable, and
+    the compiled region has its own)."""
+    from torch.profiler import record_function
+
+    marks: list[Any] = []
+
+    def enter(*_: Any) -> None:
+        if not torch.compiler.is_compiling():
+            marks.append(record_function("bench_decode.forward"))
+            marks[-1].__enter__()
+
+    def leave(*_: Any) -> None:
+        if not torch.compiler.is_compiling() and marks:
+            marks.pop().__exit__(None, None, None)
+
+    hooks = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def generate_launches(model, ids: torch.Tensor, tokens: int, device: str) -> dict[str, Any]:
     """What ``generate()`` runs per decode token outside the forward: top-level ATen ops on the host
     (by name) and GPU launches per token (``generate(tokens)`` less ``generate(1)``, over ``tokens -
     1``, as the tokens/s measure), to set beside the step's own (``profile``'s ``gpu_events_per_step``).
-    Where a token's host time exceeds the GPU step, this is what keeps the GPU waiting."""
+    Where a token's host time exceeds the GPU step, this is what keeps the GPU waiting. The hooks go
+    on once, and a ``generate(tokens)`` runs with them before either profile: a module whose call is
+    compiled recompiles for new hooks, and that compile is not a token's work."""
     def generate(n: int) -> Any:
         with torch.no_grad():
             return model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n)
 
     n = max(2, tokens)
-    one_ops, one_gpu = _launches(lambda: generate(1), model, device)
-    all_ops, all_gpu = _launches(lambda: generate(n), model, device)
+    with _marked_forward(model):
+        generate(1), generate(n)  # warm-up (untimed, unprofiled)
+        one_ops, one_gpu = _launches(lambda: generate(1), device)
+        all_ops, all_gpu = _launches(lambda: generate(n), device)
     per_token = {k: (all_ops[k] - one_ops[k]) / (n - 1) for k in all_ops}
     return {"generate_host_ops_per_token": round(sum(per_token.values()), 1),
             "generate_gpu_launches_per_token": round((all_gpu - one_gpu) / (n - 1), 1),

@@ -3,7 +3,6 @@ weight from memory, not from a warm L2 (``time_calls``). Used by ``gemv``'s tune
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import statistics
@@ -29,15 +28,18 @@ def time_calls(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
         fn(c)
     torch.cuda.synchronize(w.device)
     graph = torch.cuda.CUDAGraph()
+    # Its memory pool named here, not by torch: a failed capture's pool is not given back by
+    # ``graph.pool()`` (it raises), and its routing must be ended (``_abandon``).
+    pool = torch.cuda.graph_pool_handle()
     # On a stream of the weight's device of its own (not torch's one capture stream of the process,
     # made on whichever device captured first), thread-local (other threads may use CUDA meanwhile),
     # without torch.cuda.graph's emptying of the allocator's cache; the stream is restored and the
     # capture ended whatever fn raises.
     with torch.cuda.stream(_timing_stream(w.device)):
         try:
-            graph.capture_begin(capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         except Exception:  # torch routes the pool to the graph before it begins the stream's capture
-            _abandon(graph, w.device)
+            _abandon(graph, w.device, pool)
             raise
         try:
             for c in copies:
@@ -46,7 +48,7 @@ def time_calls(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
             try:
                 graph.capture_end()
             except Exception:  # the capture was invalidated (fn did what a capture does not allow)
-                _abandon(graph, w.device)
+                _abandon(graph, w.device, pool)
                 raise  # (fn's own error, where it raised one, is this one's context)
     graph.replay()
     torch.cuda.synchronize()
@@ -64,20 +66,29 @@ def time_calls(fn: Callable[[torch.Tensor], object], w: torch.Tensor) -> float:
 
 
 ROUNDS, REPLAYS, MAX_COPIES = 5, 4, 64
-# Graphs whose capture failed, never destroyed: torch leaves such a graph's memory pool routed, and its
-# destructor, run later by the garbage collector, aborted the process (an H100 test worker,
-# 2026-12-06: "Fatal Python error: Aborted" in the next test's Dynamo trace). Each holds only what
-# its failed capture allocated.
+# Graphs whose capture failed, never destroyed. torch's ``capture_end`` raises before it ends the
+# routing of the allocator to the graph's pool, and ``graph.pool()`` raises for a failed capture, so
+# before 2026-12-07 the routing was never ended: the allocator stayed "capturing" for the rest of the
+# process, and the next garbage collection that freed CUDA memory aborted it (H100 test workers,
+# 2026-12-06: "Fatal Python error: Aborted", once in the next test's Dynamo trace, once at a
+# ``gc.collect()``; ``torch.cuda.empty_cache()`` raises on its internal assert). Now the pool is named by
+# ``time_calls``, its routing ended and the pool released here; the graph is still kept (torch's pinned
+# host allocator stays routed to it through a filter that points at it, and has no binding to end it).
 ABANDONED: list[torch.cuda.CUDAGraph] = []
 
 
-def _abandon(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
-    """Keep ``graph`` (a failed capture) alive for good, its pool's routing ended where torch left it on."""
+def _abandon(graph: torch.cuda.CUDAGraph, device: torch.device, pool: tuple[int, int]) -> None:
+    """Keep ``graph`` (a failed capture) alive for good; where torch left the allocator routed to its
+    ``pool``, end the routing and release the pool (what a successful ``capture_end`` and the graph's
+    destructor would have done)."""
     ABANDONED.append(graph)
-    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-    if end is not None:
-        with contextlib.suppress(RuntimeError):  # torch ended it itself
-            end(device.index if device.index is not None else torch.cuda.current_device(), graph.pool())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:  # never begun (capture_begin failed before it): nothing to end or release
+        pass
+    else:
+        torch._C._cuda_releasePool(index, pool)
     log.debug("shapewise gemv: a timing capture failed; its graph is kept (%d so far)", len(ABANDONED))
 
 
