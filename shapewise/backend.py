@@ -65,6 +65,7 @@ def build_pipeline(
     progress: bool | None = None,
     lean: bool = True,
     compile_workers: Any = 1,
+    wait_for_workers: bool = False,
     graph_passes: Sequence[Any] = (),
     inductor_passes: Sequence[Any] = (),
 ) -> Pipeline:
@@ -77,7 +78,7 @@ def build_pipeline(
         Lower(backend=backend, options=options or (), static_options=static_options or (),
               range_options=range_options or (), on_compile_error=on_compile_error,
               compile=compile, cache=cache, dedupe=dedupe, progress=progress, lean=lean,
-              compile_workers=compile_workers),
+              compile_workers=compile_workers, wait_for_workers=wait_for_workers),
     ]
     if cudagraphs and compile != "eager_all":
         raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")
@@ -90,7 +91,8 @@ def build_pipeline(
 
 _PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "backend", "options", "static_options", "range_options",
                   "on_compile_error", "instruments", "cudagraphs", "capture_sizes", "compile", "cache", "dedupe",
-                  "progress", "lean", "compile_workers", "graph_passes", "inductor_passes"}
+                  "progress", "lean", "compile_workers", "wait_for_workers", "graph_passes",
+                  "inductor_passes"}
 
 
 def shapewise_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None,

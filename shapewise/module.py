@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,16 +36,14 @@ class NoDynamicSizes(BindingError):
     """The model fixed every marked dim in this trace (perhaps only at this call's sizes)."""
 
 
-class _UnmarkedRetrace(Exception):
-    """Raised by the backend for a Dynamo trace that did not come through ``_first_call``."""
+class _UnmarkedRetrace(Exception):  # raised by the backend for a Dynamo trace that did not come through _first_call
+    pass
 
 
 class ShapewiseModule:
-    """What ``shapewise.compile`` returns: call it like the model.
-
-    The first call traces once with Dynamo and compiles every size; later calls dispatch.
-    ``report()``, ``runnable``, ``program`` and ``traces`` are available after the first call.
-    """
+    """What ``shapewise.compile`` returns: call it like the model. The first call traces once with Dynamo
+    and compiles every size (with compile workers: its own, the rest loaded on first use or by
+    ``wait()``); later calls dispatch. ``report()``, ``runnable``, ``program``, ``traces`` after it."""
 
     def __init__(self, model: Callable[..., Any], *, sizes: Any = (), ranges: Any = (),
                  splitting_ops: Sequence[Any] = (), dynamic_dims: Mapping[str, Any] | None = None,
@@ -115,8 +114,7 @@ class ShapewiseModule:
         return self._tensor_attrs.get(arg, {}).get(attr, self._arg_dims.get(arg, {}))
 
     def _mark(self, args: tuple, kwargs: dict, fixed: Mapping[str, int] | None = None) -> dict[str, set[int]]:
-        """Mark this call's dynamic dims dynamic, but the ``fixed`` names (Dynamo specialises
-        those; a mark from an earlier attempt is taken off); returns each dim name's sizes."""
+        """Mark this call's dynamic dims dynamic but the ``fixed`` names (earlier marks off); each name's sizes."""
         bound = self._signature.bind(*args, **kwargs)
         dims = self._dims
         if dims is None:
@@ -159,11 +157,9 @@ class ShapewiseModule:
         return seen
 
     def _to_fix(self, seen: Mapping[str, set[int]]) -> dict[str, int]:
-        """The dims of a re-trace to specialise, as Dynamo alone would: a size 0 or 1 that every
-        earlier trace refuses (e.g. seq=1 where the model's Python branches on ``seq > 1``: a
-        trace symbolic in it would carry that branch as a SymBool), or that an earlier trace
-        fixed (this call failed that trace's guards for another reason: a KV cache laid out
-        otherwise after the first decode step)."""
+        """The dims of a re-trace to specialise, as Dynamo alone would: a size 0 or 1 that every earlier trace
+        refuses (seq=1 where the model branches on ``seq > 1``), or that an earlier trace fixed (this call
+        failed its guards for another reason: a KV cache laid out otherwise after the first decode step)."""
         fix = {}
         for name, values in seen.items():
             if len(values) != 1 or next(iter(values)) not in (0, 1):
@@ -266,13 +262,11 @@ class ShapewiseModule:
         return self._directs.info(self._trace_label, len(self.runnables))
 
     @property
-    def direct_calls(self) -> int:
-        """Calls served past Dynamo's frame."""
+    def direct_calls(self) -> int:  # calls served past Dynamo's frame
         return self._directs.calls
 
     @property
-    def direct_fallbacks(self) -> int:
-        """Calls that went through Dynamo while some trace's direct call was on."""
+    def direct_fallbacks(self) -> int:  # calls that went through Dynamo while some trace's direct call was on
         return self._directs.fallbacks
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -458,6 +452,12 @@ class ShapewiseModule:
     def traces(self) -> int:
         """How many Dynamo traces reached the backend (1 unless a guard failed, e.g. a new dtype)."""
         return len(self.runnables)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Every trace's variants ready (``Runnable.wait``: background compiles, and the variants left
+        to compile workers loaded); False if ``timeout`` s passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        return all(r.wait(None if end is None else max(0.0, end - time.monotonic())) for r in list(self.runnables))
 
     def report(self) -> CompileReport:
         """One row per (piece, variant) of every trace; with several traces, a ``trace`` column

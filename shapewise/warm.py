@@ -63,6 +63,9 @@ def _config_text(model: Any) -> str:
     return repr(config) if config is not None else ""
 
 
+# Options that change how the compiles run, not what they make: not in a saved trace's key.
+_HOW_NOT_WHAT = ("progress", "compile_workers", "wait_for_workers")
+
 class WarmTraces:
     """The saved traces of one compiled model: ``load()`` once, ``serve()`` per call, ``trace()``
     for a call none serves (then ``save()``). ``info``: what happened, for ``warm_info``."""
@@ -99,7 +102,7 @@ class WarmTraces:
         if not isinstance(self.model, torch.nn.Module) and not inspect.isfunction(self.model) \
                 and not inspect.ismethod(self.model):
             return None, f"the model is a {type(self.model).__name__}, not a module, a function or a method"
-        opts = repr(sorted((k, v) for k, v in options.items() if k not in ("progress", "compile_workers")))
+        opts = repr(sorted((k, v) for k, v in options.items() if k not in _HOW_NOT_WHAT))
         if " at 0x" in opts or " at 0x" in repr(dynamic_dims):
             return None, "an option is a live object with no stable identity (a callable, an instrument)"
         devices = sorted({str(p.device) for p in model.parameters()} if isinstance(model, torch.nn.Module) else ())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from shapewise.dispatch.table import DispatchTable
 from shapewise.errors import CompileError
 from shapewise.ir.program import Program
 from shapewise.ir.report import REPORT_COLUMNS, Report, html_table
+from shapewise.lower.parallel import PendingVariant
 from shapewise.passes.base import PassRecord, register_runnable
 
 __all__ = ["CompileReport", "Runnable"]
@@ -151,18 +153,45 @@ class Runnable(_compat.SerializableCallable):
         return CompileReport(rows)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the background compiles (``compile="background"``); True when all are done.
+        """Wait for the background compiles (``compile="background"``) and load the variants left to
+        compile workers (``PendingVariant``); True when all are done (False: ``timeout`` s passed).
         Raises ``CompileError`` if one failed and ``on_compile_error`` is "raise"."""
+        start = time.monotonic()
+        if not self._resolve_pending(timeout):
+            return False
         background = self.runtime.background
         if background is None:
             return True
-        if not background.done.wait(timeout):
+        if not background.done.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - start))):
             return False
         lowering = self.program.lowering
         if background.errors and lowering is not None and lowering.on_compile_error == "raise":
             raise CompileError(f"{len(background.errors)} background compile(s) failed; the first: "
                                f"{background.errors[0]}") from background.errors[0]
         return True
+
+    def _resolve_pending(self, timeout: float | None) -> bool:
+        """Every ``PendingVariant`` of the program got (loaded, waited for, or compiled), on a thread
+        of its own so that ``timeout`` holds; its error raised here."""
+        pending = [v.compiled for p in self.program.compute_pieces for v in p.variants
+                   if isinstance(v.compiled, PendingVariant) and not v.compiled.ready]
+        if not pending:
+            return True
+        errors: list[BaseException] = []
+
+        def resolve() -> None:
+            try:
+                for fn in pending:
+                    fn.resolve()
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+                errors.append(e)
+
+        thread = threading.Thread(target=resolve, daemon=True, name="shapewise-pending")
+        thread.start()
+        thread.join(timeout)
+        if errors:
+            raise errors[0]
+        return not thread.is_alive()
 
     def __repr__(self) -> str:
         return f"<shapewise.Runnable {len(self.program.pieces)} pieces, {len(self.table)} dispatch entries>"

@@ -4,6 +4,7 @@ dedupe identical pieces by content key, and keep Inductor artifacts in the on-di
 from shapewise.lower.cache import ArtifactCache, resolve_cache
 from shapewise.lower.compile import lower_variant
 from shapewise.lower.lower import BACKENDS, COMPILE_MODES, CompileSession, Lower, summary_line
+from shapewise.lower.parallel import PendingVariant
 
-__all__ = ["BACKENDS", "COMPILE_MODES", "ArtifactCache", "CompileSession", "Lower", "lower_variant", "resolve_cache",
-           "summary_line"]
+__all__ = ["BACKENDS", "COMPILE_MODES", "ArtifactCache", "CompileSession", "Lower", "PendingVariant", "lower_variant",
+           "resolve_cache", "summary_line"]

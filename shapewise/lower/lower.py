@@ -33,7 +33,8 @@ from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.cache import ArtifactCache, resolve_cache
 from shapewise.lower.compile import lower_variant, reads_item_values
 from shapewise.lower.lean import drop_size_asserts, expected_layouts, lean_call, lean_splitting_call
-from shapewise.lower.workers import WorkerPool, resolve_workers, task_bytes
+from shapewise.lower.parallel import PendingVariant, start_workers
+from shapewise.lower.workers import WorkerPool, resolve_workers
 from shapewise.passes.base import Pass, register_pass
 from shapewise.version import __version__
 
@@ -43,7 +44,7 @@ log = logging.getLogger("shapewise")
 
 BACKENDS = ("inductor", "eager", "aot_eager")
 COMPILE_MODES = ("eager_all", "lazy", "background")
-SOURCES = ("compiled", "worker", "reused", "cache", "fallback")
+SOURCES = ("compiled", "worker", "reused", "cache", "fallback", "pending")
 
 
 def _input_layouts(variant: Variant) -> str:
@@ -78,6 +79,8 @@ def summary_line(counts: Mapping[str, int], seconds: float, what: str = "") -> s
             f"{counts.get('reused', 0)} reused, {counts.get('cache', 0)} from cache")
     if counts.get("fallback"):
         line += f", {counts['fallback']} fell back to eager"
+    if counts.get("pending"):
+        line += f", {counts['pending']} left to worker processes (loaded on first use)"
     return f"{line} in {seconds:.1f} s"
 
 
@@ -171,9 +174,12 @@ class CompileSession:
             return self._key_locks.setdefault(key, threading.Lock())
 
     # -- compiling -------------------------------------------------------------------------
-    def compile(self, piece: Piece, variant: Variant, *, wait: bool = True) -> Variant | None:
+    def compile(self, piece: Piece, variant: Variant, *, wait: bool = True,
+                workers: WorkerPool | None = None) -> Variant | None:
         """``variant`` compiled (or reused, or loaded), with its report row. With ``wait=False``,
-        None when another process holds its cache key's lock (it is compiling it: come back later)."""
+        None when another process holds its cache key's lock (it is compiling it: come back later).
+        ``workers``: the pool a worker's artifact came from (default: the running ``compile_all``'s)."""
+        workers = workers or self.workers
         lower = self.lower
         names = piece.shapes.names if piece.shapes else {}
         t0 = time.perf_counter()
@@ -211,7 +217,7 @@ class CompileSession:
                         if got is None:
                             return None
                         fn, source = got
-                        if source == "cache" and self.workers is not None and self.workers.outcome(key) == "compiled":
+                        if source == "cache" and workers is not None and workers.outcome(key) == "compiled":
                             source = "worker"  # compiled for this session in a worker process, loaded here
                         if source == "cache" and self.world > 1:
                             compiled_by = self.cache.compiled_by(key)
@@ -238,7 +244,7 @@ class CompileSession:
         asserts = None
         if source != "fallback" and lower.backend == "inductor":
             asserts = self.options(piece, variant).get("size_asserts", True) is not False
-            fn = _with_layouts(fn, () if asserts else expected_layouts(variant))
+            fn = _with_layouts(fn, self.layouts(piece, variant))
         report = {
             "piece": piece.name,
             "key": variant.binding.describe(names),
@@ -261,21 +267,35 @@ class CompileSession:
             self.results[(piece.name, variant.binding)] = out
         return out
 
-    def compile_all(self, pieces: Sequence[Piece]) -> tuple[Piece, ...]:
-        """Every variant of every compute piece, with a progress bar and a summary log line."""
+    def layouts(self, piece: Piece, variant: Variant) -> tuple:
+        """The input layouts the runner checks before an Inductor variant (``LAYOUTS_ATTR``): none
+        where Inductor asserts them itself."""
+        piece = piece.as_compiled_for(variant)
+        return () if self.options(piece, variant).get("size_asserts", True) is not False else expected_layouts(variant)
+
+    def compile_all(self, pieces: Sequence[Piece], now: Mapping[Any, int] | None = None) -> tuple[Piece, ...]:
+        """Every variant of every compute piece, with a progress bar and a summary log line. With
+        compile workers and the traced sizes ``now`` (None: none traced), what workers compile is left
+        to them, loaded on first use (``shapewise.lower.parallel``), unless ``Lower.wait_for_workers``."""
         todo = sum(len(p.variants) for p in pieces if not p.is_splitting)
         t0 = time.perf_counter()
         before = dict(self.counts)
         done: dict[tuple[int, int], Variant] = {}
-        order = self._order(pieces)
+        order, sent = self._order(pieces), {}
         workers = resolve_workers(self.lower.compile_workers)
+        defer = now is not None and not self.lower.wait_for_workers
         if workers > 1:
-            order = self._start_workers(pieces, order, workers)
+            order, sent = start_workers(self, pieces, order, workers, now if defer else None)
+        pool = self.workers
         with self.progress(todo) as bar, contextlib.ExitStack() as stack:
-            if self.workers is not None:
-                stack.callback(self._stop_workers)
+            if pool is not None:
+                stack.callback(self._stop_workers, frozenset(sent.values()) if defer else frozenset())
             later = []
             for i, j in order:  # never waiting for another rank: what one holds comes later
+                if defer and (i, j) in sent:
+                    done[i, j] = self._pending(pieces[i], pieces[i].variants[j], sent[i, j], pool)
+                    bar.update(1)
+                    continue
                 v = self.compile(pieces[i], pieces[i].variants[j], wait=self.world == 1)
                 if v is None:
                     later.append((i, j))
@@ -292,49 +312,17 @@ class CompileSession:
                                         time.perf_counter() - t0))
         return out
 
-    def _start_workers(self, pieces: Sequence[Piece], order: list[tuple[int, int]],
-                       most: int) -> list[tuple[int, int]]:
-        """Hand the distinct keys that need a static Inductor compile to at most ``most`` worker processes
-        (``shapewise.lower.workers``); the order this session takes the variants in: what no
-        worker was given first, then the workers' from the far end of their queue."""
-        from shapewise.lower.compile import reads_values
+    def _pending(self, piece: Piece, variant: Variant, key: str, pool: WorkerPool) -> Variant:
+        """``variant`` left to a worker: a ``PendingVariant`` that loads it on its first call."""
+        report = {**self.lower._pending_row(piece, variant), "artifact": key[:12]}
+        with self._lock:
+            self.counts["pending"] += 1
+        return dataclasses.replace(variant, compiled=PendingVariant(self, piece, variant, pool, report),
+                                   report=report, artifact_key=(key, True))
 
-        if self.cache is None or self.lower.backend != "inductor":
-            return order
-        tasks: dict[str, bytes] = {}
-        sent: dict[tuple[int, int], str] = {}
-        for i, j in order:
-            piece, variant = pieces[i].as_compiled_for(pieces[i].variants[j]), pieces[i].variants[j]
-            if not variant.binding.is_static or variant.inductor_passes or reads_values(piece.gm):
-                continue
-            key, disk = self.variant_key(piece, variant)
-            if key is None or not disk or (self.lower.dedupe and key in self._memo):
-                continue
-            if key not in tasks:
-                if self.cache.path(key).exists():
-                    continue
-                names = piece.shapes.names if piece.shapes else {}
-                data = task_bytes(key, piece.gm, variant.example_args, self.options(piece, variant),
-                                  {"piece": piece.name, "binding": variant.binding.describe(names),
-                                   "backend": self.backend_id, "rank": self.rank, "worker": True})
-                if data is None:
-                    continue
-                tasks[key] = data
-            sent[i, j] = key
-        workers = min(most, len(tasks))
-        if workers < 2:
-            return order
-        self.workers = WorkerPool(workers, str(self.cache.root))
-        for key, data in tasks.items():
-            self.workers.submit(key, data)
-        log.info("shapewise: %d compiles handed to %d worker processes", len(tasks), workers)
-        queue_place = {k: n for n, k in enumerate(tasks)}
-        return [ij for ij in order if ij not in sent] + sorted((ij for ij in order if ij in sent),
-                                                                key=lambda ij: -queue_place[sent[ij]])
-
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, keep: frozenset = frozenset()) -> None:
         workers, self.workers = self.workers, None
-        workers.close()
+        workers.close(keep)
 
     def _order(self, pieces: Sequence[Piece]) -> list[tuple[int, int]]:
         """(piece, variant) positions in compile order. Alone: in order. On ``world`` ranks of
@@ -410,7 +398,9 @@ class Lower(Pass):
     only Inductor artifacts are cached. ``progress``: None (a bar on a terminal), True, False.
     ``compile_workers``: processes that compile the static Inductor variants at the same time as
     this one compiles the rest (``shapewise.lower.workers``; through the disk cache, so only with
-    one); ``"auto"``: from the CPUs (``default_workers``); 1 (the default): none.
+    one); ``"auto"``: from the CPUs (``default_workers``); 1 (the default): none. What workers compile
+    is loaded on first use, the trace's own size compiled here (``shapewise.lower.parallel``);
+    ``wait_for_workers=True``: every variant before the compile returns.
     ``lean``: call Inductor inference artifacts past AOTAutograd's runtime wrappers where those
     have nothing to do (see ``lean_call``; the report's ``lean`` column says where), compile
     static pieces without Inductor's input asserts (the runner checks what needs it, see
@@ -430,6 +420,7 @@ class Lower(Pass):
     progress: Any = None
     lean: bool = True
     compile_workers: Any = 1
+    wait_for_workers: bool = False
 
     def __post_init__(self) -> None:
         if not callable(self.backend) and self.backend not in BACKENDS:
@@ -443,6 +434,8 @@ class Lower(Pass):
             raise ConfigError(f"cache must be None (default), True, False or a folder path, got {self.cache!r}")
         if not isinstance(self.lean, bool):
             raise ConfigError(f"lean must be True or False, got {self.lean!r}")
+        if not isinstance(self.wait_for_workers, bool):
+            raise ConfigError(f"wait_for_workers must be True or False, got {self.wait_for_workers!r}")
         if not isinstance(self.dedupe, bool):
             raise ConfigError(f"dedupe must be True or False, got {self.dedupe!r}")
         if self.progress not in (None, True, False):
@@ -490,7 +483,8 @@ class Lower(Pass):
                 p, variants=tuple(dataclasses.replace(v, compiled=None, report=self._pending_row(p, v))
                                   for v in p.variants)) for p in program.pieces)
         else:
-            pieces = (session or self.session()).compile_all(program.pieces)
+            now = dict(program.shapes.hints) if program.shapes is not None else None
+            pieces = (session or self.session()).compile_all(program.pieces, now=now)
         return program.replace(pieces=pieces, lowering=self)
 
     def _pending_row(self, piece: Piece, variant: Variant) -> dict[str, Any]:

@@ -12,8 +12,8 @@ without its traced values), its inputs' sizes, strides and dtypes (it makes fake
 and of the graph's values from them), the compile's
 options and the session's Inductor config; it compiles under the key's file lock and writes the
 artifact to the cache (``ArtifactCache.compile_or_load``: the rules every process sharing a cache
-folder follows). The session meanwhile takes the variants in an order that leaves the workers theirs:
-first what they were not given (range variants), then theirs from the far end of their queue, each a
+folder follows). Which variants go, and when the session takes the workers' (on first use, or in the
+compile with ``wait_for_workers``), is ``shapewise.lower.parallel``'s: each such take is a
 ``compile_or_load`` that loads what a worker wrote, waits on the lock of one a worker is compiling,
 or compiles one no worker has started. So a worker that fails (a graph that does not pickle, a
 custom op its process does not know) costs nothing but its time: the session compiles that key
@@ -408,8 +408,8 @@ def warm_up(options: Mapping[str, Any]) -> None:
 class WorkerPool:
     """One ``compile_all``'s use of the workers: ``submit(key, task)`` queues a compile;
     ``outcome(key)`` is what became of it ("compiled", "present", "busy", "failed: ...", "not
-    started"; None: never sent); ``close()`` drops what no worker has started (the session has done
-    it itself by then). The processes stay for the next session."""
+    started"; None: never sent); ``close(keep)`` drops what no worker has started but ``keep`` (the
+    session has done the rest itself by then). The processes stay for the next session."""
 
     def __init__(self, workers: int, cache_root: str) -> None:
         self.processes = _processes(workers, cache_root)
@@ -435,9 +435,12 @@ class WorkerPool:
             log.info("shapewise: a compile worker did not compile %s...: %s", key[:12], outcome[8:])
         return outcome
 
-    def close(self) -> None:
-        for f in self.futures.values():
-            f.cancel()  # not started yet: the session did it
+    def close(self, keep: frozenset[str] = frozenset()) -> None:
+        """Cancel what no worker has started but the keys in ``keep`` (left to the workers: their
+        variants are loaded on first use)."""
+        for key, f in self.futures.items():
+            if key not in keep:
+                f.cancel()  # not started yet: the session did it
         for key, f in self.futures.items():
             if f.done() and not f.cancelled():
                 self.outcome(key)

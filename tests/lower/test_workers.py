@@ -38,8 +38,8 @@ class InlinePool(workers.WorkerPool):
                           else workers.compile_in_worker(data))
         self.futures[key] = future
 
-    def close(self) -> None:
-        self.closed = True
+    def close(self, keep=frozenset()) -> None:
+        self.closed, self.kept = True, keep
 
 
 def _model():
@@ -55,24 +55,28 @@ def _check(fast, model, sizes=(1, 2, 4, 9)):
 
 
 def test_the_sessions_static_compiles_go_to_the_workers_and_come_back_through_the_cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(workers, "WorkerPool", InlinePool)
-    monkeypatch.setattr("shapewise.lower.lower.WorkerPool", InlinePool)
+    # The traced size (n=1) and the range compile here; the other static sizes go to workers and are
+    # loaded on their first call; the one whose worker died is compiled at its first call.
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", InlinePool)
     InlinePool.made, InlinePool.fail = [], {1}  # the second task's worker dies
     model = _model()
     fast = sw.compile(model, sizes=[1, 2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP], cache=tmp_path,
                       compile_workers=2, progress=False)
-    _check(fast, model)
+    _check(fast, model, sizes=(1,))
     (pool,) = InlinePool.made
-    assert pool.closed and pool.n == 2
+    statics = [r for r in fast.report() if r["static"]]
+    assert {r["source"] for r in statics if r["key"] == "{n=1}"} == {"compiled"}
+    assert {r["source"] for r in statics if r["key"] != "{n=1}"} == {"pending"}
+    assert pool.closed and pool.n == 2 and pool.kept == set(pool.futures)  # the pending keys stay queued
+    assert len(pool.futures) == len({r["artifact"] for r in statics if r["key"] != "{n=1}"})
+    _check(fast, model)
     rows = list(fast.report())
     by_source = {}
     for r in rows:
         by_source.setdefault(r["source"], []).append((r["piece"], r["key"], r["static"]))
-    statics = [r for r in rows if r["static"]]
-    # every static variant went to a worker; the one whose worker died was compiled here
-    assert len(pool.futures) == len({r["artifact"] for r in statics})
-    assert sum(r["source"] == "worker" for r in statics) == len(statics) - 1, by_source
-    assert sum(r["source"] == "compiled" for r in statics) == 1, by_source
+    later = [r for r in rows if r["static"] and r["key"] != "{n=1}"]
+    assert sum(r["source"] == "worker" for r in later) == len(later) - 1, by_source
+    assert sum(r["source"] == "compiled" for r in later) == 1, by_source  # its worker died: compiled here
     assert all(r["source"] == "compiled" for r in rows if not r["static"])  # ranges: this process
     assert "(+" in sw.lower.lower.summary_line({"compiled": 4, "worker": 5}, 1.0)
     # A warm start: every artifact on disk, nothing handed out.
@@ -81,6 +85,34 @@ def test_the_sessions_static_compiles_go_to_the_workers_and_come_back_through_th
                        compile_workers=2, progress=False)
     _check(again, model)
     assert InlinePool.made == [] and {r["source"] for r in again.report()} == {"cache"}
+
+
+def test_pending_variants_load_under_the_traces_grad_mode_by_wait_and_wait_for_workers_waits(tmp_path, monkeypatch):
+    # wait() loads every pending variant, under the grad mode of the trace's compile (its key has it:
+    # loaded in another, the key would differ and the variant compile again); each one's row says the
+    # worker's; with wait_for_workers=True nothing is left pending. Bad values are refused.
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", InlinePool)
+    InlinePool.made, InlinePool.fail = [], set()
+    model = _model()
+    fast = sw.compile(model, sizes=[1, 2, 4], splitting_ops=[ATTENTION_OP], cache=tmp_path / "a", compile_workers=2,
+                      progress=False)
+    _check(fast, model, sizes=(2,))
+    pending = [v.compiled for p in fast.program.compute_pieces for v in p.variants
+               if isinstance(v.compiled, sw.lower.parallel.PendingVariant)]
+    assert pending and not any(fn.ready for fn in pending) and "pending" in repr(pending[0])
+    with torch.enable_grad():
+        assert fast.wait(timeout=300)
+    assert all(fn.ready for fn in pending)
+    rows = list(fast.report())
+    assert {r["source"] for r in rows if r["key"] != "{n=2}"} == {"worker"}, rows
+    assert all(r["lean"] for r in rows)  # loaded as no_grad artifacts: called past AOTAutograd's wrappers
+    _check(fast, model, sizes=(1, 2, 4))
+    waited = sw.compile(_model(), sizes=[1, 2, 4], splitting_ops=[ATTENTION_OP], cache=tmp_path / "b",
+                        compile_workers=2, wait_for_workers=True, progress=False)
+    _check(waited, model, sizes=(2,))
+    assert {r["source"] for r in waited.report() if r["key"] != "{n=2}"} == {"worker"}
+    with pytest.raises(sw.ConfigError, match="wait_for_workers must be True or False"):
+        sw.lower.Lower(wait_for_workers="yes")
 
 
 def test_a_real_worker_process_compiles_over_its_pipe_and_a_bad_task_fails_alone(tmp_path):
@@ -211,3 +243,28 @@ def test_workers_share_the_cpus_out_for_inductors_compile_threads(tmp_path, monk
         # The worker compiles on its share of the threads, and its config still matches the session's.
         assert inductor_config.compile_threads == 3 and workers._STATE["config_ok"]
     assert inductor_config.compile_threads == before  # still there for the next compile
+
+
+def test_compile_generate_on_a_transformers_model_leaves_other_prompt_sizes_to_the_workers(tmp_path, monkeypatch):
+    # A user's cold start with workers: the first generate() runs once its prompt size and decode are
+    # compiled here; the other prompt size is a worker's, loaded by the generate() that needs it; the
+    # tokens are eager's throughout.
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", InlinePool)
+    InlinePool.made, InlinePool.fail = [], set()
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    long, short = torch.randint(0, 96, (1, 6)), torch.randint(0, 96, (1, 4))
+    want = {n: model.generate(ids, max_new_tokens=5, do_sample=False, disable_compile=True).tolist()
+            for n, ids in ((6, long), (4, short))}
+    fast = sw.compile_generate(model, prompt_sizes=[4, 6], max_length=16, static_cache=True, cache=str(tmp_path),
+                               compile_workers=2, progress=False)
+    assert model.generate(long, max_new_tokens=5, do_sample=False).tolist() == want[6]
+    sources = {(r["trace"], r["key"]): r["source"] for r in fast.report()}
+    assert sources == {("1", "{seq=4}"): "pending", ("1", "{seq=6}"): "compiled",
+                       ("2 (seq=1)", "{seq=1}"): "compiled"}, sources
+    assert model.generate(short, max_new_tokens=5, do_sample=False).tolist() == want[4]
+    assert {(r["trace"], r["key"]): r["source"] for r in fast.report()}[("1", "{seq=4}")] == "worker"
+    assert fast.wait(timeout=0) and fast.traces == 2

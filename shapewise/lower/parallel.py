@@ -1,0 +1,130 @@
+"""A compile session's use of the worker processes (``shapewise.lower.workers``): which variants go to
+them (``start_workers``), and the variants they compile that the session does not wait for
+(``PendingVariant``: loaded on their first call).
+
+With ``compile_workers`` > 1 a trace's compile (``CompileSession.compile_all``) hands the distinct
+static Inductor compiles to workers, except the size the model was traced at (``is_now``): the call
+that is waiting needs that one, and the session compiles it (and what no worker can do: ranges,
+Inductor passes, graphs that read values) while the workers compile the rest. The trace then returns
+at once, its workers' variants pending; each is loaded on its first call (``PendingVariant``: from
+the cache where a worker wrote it, waiting on the key's lock where one is compiling it, compiled in
+the call where none has started), or all of them by ``ShapewiseModule.wait()``. The first call of a
+model so runs as soon as its own size is compiled, not once every size is.
+``Lower(wait_for_workers=True)`` waits for every variant in the trace's compile instead (as before
+2026-12-06: the session took the workers' variants from the far end of their queue).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from shapewise.ir.program import Binding, Piece, Variant
+from shapewise.ir.runner import LAYOUTS_ATTR
+from shapewise.lower.workers import WorkerPool, task_bytes
+
+__all__ = ["PendingVariant", "is_now", "start_workers"]
+
+log = logging.getLogger("shapewise")
+
+
+def is_now(binding: Binding, now: Mapping[sympy.Symbol, int] | None) -> bool:
+    """Whether ``binding`` is a static one at exactly the traced sizes ``now`` (a trace with no
+    dynamic sizes left, ``now`` empty: its one binding)."""
+    return now is not None and binding.is_static and all(now.get(s) == v for s, v in binding.items)
+
+
+def start_workers(session: Any, pieces: Sequence[Piece], order: list[tuple[int, int]], most: int,
+                  now: Mapping[sympy.Symbol, int] | None = None) -> tuple[list[tuple[int, int]], dict]:
+    """Hand the distinct keys that need a static Inductor compile, but not at the traced sizes
+    ``now``, to at most ``most`` worker processes (``session.workers``); (the order the session takes
+    the variants in, {(piece, variant) position: key} of those sent). The order: what no worker was
+    given first, then the workers' from the far end of their queue (where the session waits for them).
+    With ``now`` (None: not a trace's compile) one task is worth a worker (the session compiles the
+    traced size meanwhile)."""
+    from shapewise.lower.compile import reads_values
+
+    if session.cache is None or session.lower.backend != "inductor":
+        return order, {}
+    tasks: dict[str, bytes] = {}
+    sent: dict[tuple[int, int], str] = {}
+    for i, j in order:
+        piece, variant = pieces[i].as_compiled_for(pieces[i].variants[j]), pieces[i].variants[j]
+        if not variant.binding.is_static or variant.inductor_passes or reads_values(piece.gm) \
+                or is_now(variant.binding, now):
+            continue
+        key, disk = session.variant_key(piece, variant)
+        if key is None or not disk or (session.lower.dedupe and key in session._memo):
+            continue
+        if key not in tasks:
+            if session.cache.path(key).exists():
+                continue
+            names = piece.shapes.names if piece.shapes else {}
+            data = task_bytes(key, piece.gm, variant.example_args, session.options(piece, variant),
+                              {"piece": piece.name, "binding": variant.binding.describe(names),
+                               "backend": session.backend_id, "rank": session.rank, "worker": True})
+            if data is None:
+                continue
+            tasks[key] = data
+        sent[i, j] = key
+    workers = min(most, len(tasks))
+    if workers < (1 if now is not None else 2):
+        return order, {}
+    session.workers = WorkerPool(workers, str(session.cache.root))
+    for key, data in tasks.items():
+        session.workers.submit(key, data)
+    log.info("shapewise: %d compiles handed to %d worker processes", len(tasks), workers)
+    queue_place = {k: n for n, k in enumerate(tasks)}
+    return [ij for ij in order if ij not in sent] + sorted((ij for ij in order if ij in sent),
+                                                            key=lambda ij: -queue_place[sent[ij]]), sent
+
+
+class PendingVariant:
+    """A variant a worker process compiles, as the dispatch table calls it: its first call (or
+    ``resolve()``) gets the artifact through the session (``CompileSession.compile``: loaded from the
+    cache, waited for, or compiled here), in the grad mode of the trace's compile (part of its key),
+    then calls it; later calls go straight to it. ``report`` is the variant's report row, updated
+    in place. Carries the layouts the runner checks (``LAYOUTS_ATTR``) from the start."""
+
+    def __init__(self, session: Any, piece: Piece, variant: Variant, workers: WorkerPool | None,
+                 report: dict[str, Any]) -> None:
+        self._args = (session, piece, variant, workers)
+        self._grad = torch.is_grad_enabled()
+        self._fn: Any = None
+        self._lock = threading.Lock()
+        self.report = report
+        setattr(self, LAYOUTS_ATTR, session.layouts(piece, variant))
+
+    @property
+    def ready(self) -> bool:
+        return self._fn is not None
+
+    def resolve(self) -> Any:
+        """The variant's callable, got once (thread-safe)."""
+        if self._fn is None:
+            with self._lock:
+                if self._fn is None:
+                    session, piece, variant, workers = self._args
+                    with torch.set_grad_enabled(self._grad):
+                        done = session.compile(piece, variant, workers=workers)
+                    self.report.clear()
+                    self.report.update(done.report)
+                    self._fn = done.compiled
+        return self._fn
+
+    @property
+    def __wrapped__(self) -> Any:  # what Inductor generated, for the printer and the source views
+        return self.resolve()
+
+    def __call__(self, *args: Any) -> Any:
+        fn = self._fn
+        return (fn if fn is not None else self.resolve())(*args)
+
+    def __repr__(self) -> str:
+        return f"<shapewise.PendingVariant {self.report.get('piece')} {self.report.get('key')} " \
+               f"{'ready' if self.ready else 'pending'}>"
