@@ -78,7 +78,9 @@ def build_pipeline(
         Lower(backend=backend, options=options or (), static_options=static_options or (),
               range_options=range_options or (), on_compile_error=on_compile_error,
               compile=compile, cache=cache, dedupe=dedupe, progress=progress, lean=lean,
-              compile_workers=compile_workers, wait_for_workers=wait_for_workers),
+              compile_workers=compile_workers,
+              # (start-up capture runs every size on the first call: nothing to gain by leaving any pending)
+              wait_for_workers=wait_for_workers or cudagraphs_options(cudagraphs).get("capture") == "startup"),
     ]
     if cudagraphs and compile != "eager_all":
         raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")

@@ -21,7 +21,7 @@ from shapewise.direct import MISS, DirectCalls, bound_module, build_direct_call,
 from shapewise.dispatch.runnable import CompileReport, Runnable
 from shapewise.errors import BindingError, ConfigError, DispatchMiss, ShapewiseError
 from shapewise.ir.program import Program, ShapeInfo
-from shapewise.lower.workers import warm_up
+from shapewise.lower import parallel, workers
 from shapewise.marks import UnmarkedChanges, held_tensors, int_sources, parse_dynamic_dims, tensors_of
 from shapewise.trace_errors import trace_error
 from shapewise.trace_limit import TraceLimit
@@ -76,7 +76,7 @@ class ShapewiseModule:
                              **pipeline_options)
         build_pipeline(**self._options)  # validates op names, backend, options before any trace
         if backend == "inductor":
-            warm_up(self._options)  # Inductor's compile threads; shapewise's compile workers where asked
+            workers.warm_up(self._options)  # Inductor's compile threads; shapewise's compile workers where asked
         self._on_miss, self._traces = on_miss, TraceLimit(max_traces, sizes, ranges)  # (shapewise/trace_limit.py)
         self._symbol_names: dict[sympy.Symbol, str] = {}
         self._arg_dims: dict[str, dict[int, str]] = {}
@@ -292,8 +292,8 @@ class ShapewiseModule:
                 return out if out is not MISS else self._first_call(args, kwargs, retrace=bool(self.runnables))
             if self.runnables:
                 try:
-                    if self._watch is not None and self._watch.active:
-                        with _compat.calls_during_fx_trace():  # a lazy / background compile may be tracing
+                    if (self._watch is not None and self._watch.active) or parallel.PendingVariant.unresolved:
+                        with _compat.calls_during_fx_trace():  # a lazy / background / pending compile may trace
                             return self._compiled(*args, **kwargs)
                     return self._compiled(*args, **kwargs)
                 except Exception as e:

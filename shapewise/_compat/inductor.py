@@ -13,9 +13,9 @@ import torch.fx
 
 __all__ = [
     "aot_eager", "artifact_bytes", "autocast_enabled", "backward_source", "build_fingerprint", "compiled_backward",
-    "compiled_source", "eager_backward", "inductor_config_fingerprint", "inference_entry", "install_kernel_binaries",
-    "kernel_binaries", "load_artifact", "no_inductor_caches", "post_grad_pass", "set_grad_enabled",
-    "standalone_compile", "warm_compile_workers",
+    "compiled_source", "eager_backward", "inductor_config_fingerprint", "inductor_config_kept", "inference_entry",
+    "install_kernel_binaries", "kernel_binaries", "load_artifact", "no_inductor_caches", "post_grad_pass",
+    "set_grad_enabled", "standalone_compile", "warm_compile_workers",
 ]
 
 
@@ -241,6 +241,15 @@ def inductor_config_fingerprint() -> str:
 
     portable = inductor_config.save_config_portable()
     return hashlib.sha256(repr(sorted(portable.items())).encode()).hexdigest()
+
+
+def inductor_config_kept() -> Any:
+    """Inductor's global config now (the part ``inductor_config_fingerprint`` hashes): a callable
+    that returns a context manager putting it back, for a compile made later under a key of now."""
+    from torch._inductor import config as inductor_config
+
+    portable = inductor_config.save_config_portable()
+    return lambda: inductor_config.patch(portable)
 
 
 def artifact_bytes(artifact: Any, tmpdir: str) -> bytes:

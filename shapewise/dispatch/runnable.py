@@ -34,7 +34,8 @@ class CompileReport(Report):
 
     ``source``: "compiled", "worker" (compiled in a worker process for this call, loaded from
     disk: ``compile_workers``), "reused" (an identical piece's artifact, this process), "cache"
-    (loaded from disk), "fallback" (failed, runs eagerly) or "pending" (lazy / background).
+    (loaded from disk), "fallback" (failed, runs eagerly) or "pending" (lazy / background, or a compile
+    worker's, loaded on first use).
     """
 
     def __init__(self, rows: Any = (), columns: Sequence[str] | None = (*REPORT_COLUMNS, "artifact")) -> None:
@@ -98,6 +99,8 @@ class Runnable(_compat.SerializableCallable):
         #: What start-up capture did (``capture()``): sizes, seconds, memory; None until then.
         self.capture_info: dict[str, Any] | None = None
         self._capture_lock = threading.Lock()
+        self._resolver: threading.Thread | None = None  # wait()'s loader of the variants left to compile workers
+        self._resolver_lock = threading.Lock()
         if self._capture_at_startup:
             self._exact = {}  # every call misses until the first one has captured every size
 
@@ -171,27 +174,33 @@ class Runnable(_compat.SerializableCallable):
         return True
 
     def _resolve_pending(self, timeout: float | None) -> bool:
-        """Every ``PendingVariant`` of the program got (loaded, waited for, or compiled), on a thread
-        of its own so that ``timeout`` holds; its error raised here."""
+        """Every ``PendingVariant`` of the program got (loaded, waited for, or compiled), on one thread
+        of this runnable's (started by the first ``wait``; one that timed out keeps loading, and the
+        next ``wait`` joins the same thread), so that ``timeout`` holds; a failed one's error raised here."""
         pending = [v.compiled for p in self.program.compute_pieces for v in p.variants
                    if isinstance(v.compiled, PendingVariant) and not v.compiled.ready]
         if not pending:
             return True
-        errors: list[BaseException] = []
-
-        def resolve() -> None:
-            try:
-                for fn in pending:
-                    fn.resolve()
-            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
-                errors.append(e)
-
-        thread = threading.Thread(target=resolve, daemon=True, name="shapewise-pending")
-        thread.start()
+        with self._resolver_lock:
+            thread = self._resolver
+            if thread is None or not thread.is_alive():
+                thread = self._resolver = threading.Thread(target=self._resolve_all, args=(pending,), daemon=True,
+                                                           name="shapewise-pending")
+                thread.start()
         thread.join(timeout)
-        if errors:
-            raise errors[0]
-        return not thread.is_alive()
+        if thread.is_alive():
+            return False
+        for fn in pending:  # each raises its error again (or returns its callable)
+            fn.resolve()
+        return True
+
+    @staticmethod
+    def _resolve_all(pending: list[PendingVariant]) -> None:
+        for fn in pending:
+            try:
+                fn.resolve()
+            except Exception:  # noqa: BLE001 - kept by the variant, raised by wait() in the caller's thread
+                log.debug("shapewise: loading %r failed", fn, exc_info=True)
 
     def __repr__(self) -> str:
         return f"<shapewise.Runnable {len(self.program.pieces)} pieces, {len(self.table)} dispatch entries>"

@@ -283,17 +283,19 @@ class CompileSession:
         done: dict[tuple[int, int], Variant] = {}
         order, sent = self._order(pieces), {}
         workers = resolve_workers(self.lower.compile_workers)
-        defer = now is not None and not self.lower.wait_for_workers
+        # (a variant that falls back to eager when its compile fails is not left pending: the runner, built
+        # now, would take its outputs for a compiled piece's and skip the layout checks eager's need)
+        defer = now is not None and not self.lower.wait_for_workers and self.lower.on_compile_error != "fallback"
         if workers > 1:
             order, sent = start_workers(self, pieces, order, workers, now if defer else None)
-        pool = self.workers
+        pool, config = self.workers, _compat.inductor_config_kept() if sent and defer else None
         with self.progress(todo) as bar, contextlib.ExitStack() as stack:
             if pool is not None:
                 stack.callback(self._stop_workers, frozenset(sent.values()) if defer else frozenset())
             later = []
             for i, j in order:  # never waiting for another rank: what one holds comes later
                 if defer and (i, j) in sent:
-                    done[i, j] = self._pending(pieces[i], pieces[i].variants[j], sent[i, j], pool)
+                    done[i, j] = self._pending(pieces[i], pieces[i].variants[j], sent[i, j], pool, config)
                     bar.update(1)
                     continue
                 v = self.compile(pieces[i], pieces[i].variants[j], wait=self.world == 1)
@@ -312,12 +314,12 @@ class CompileSession:
                                         time.perf_counter() - t0))
         return out
 
-    def _pending(self, piece: Piece, variant: Variant, key: str, pool: WorkerPool) -> Variant:
+    def _pending(self, piece: Piece, variant: Variant, key: str, pool: WorkerPool, config: Any) -> Variant:
         """``variant`` left to a worker: a ``PendingVariant`` that loads it on its first call."""
         report = {**self.lower._pending_row(piece, variant), "artifact": key[:12]}
         with self._lock:
             self.counts["pending"] += 1
-        return dataclasses.replace(variant, compiled=PendingVariant(self, piece, variant, pool, report),
+        return dataclasses.replace(variant, compiled=PendingVariant(self, piece, variant, pool, report, config),
                                    report=report, artifact_key=(key, True))
 
     def _stop_workers(self, keep: frozenset = frozenset()) -> None:
@@ -400,7 +402,8 @@ class Lower(Pass):
     this one compiles the rest (``shapewise.lower.workers``; through the disk cache, so only with
     one); ``"auto"``: from the CPUs (``default_workers``); 1 (the default): none. What workers compile
     is loaded on first use, the trace's own size compiled here (``shapewise.lower.parallel``);
-    ``wait_for_workers=True``: every variant before the compile returns.
+    ``wait_for_workers=True`` (and always with ``on_compile_error="fallback"``): every variant before
+    the compile returns.
     ``lean``: call Inductor inference artifacts past AOTAutograd's runtime wrappers where those
     have nothing to do (see ``lean_call``; the report's ``lean`` column says where), compile
     static pieces without Inductor's input asserts (the runner checks what needs it, see

@@ -11,11 +11,14 @@ the cache where a worker wrote it, waiting on the key's lock where one is compil
 the call where none has started), or all of them by ``ShapewiseModule.wait()``. The first call of a
 model so runs as soon as its own size is compiled, not once every size is.
 ``Lower(wait_for_workers=True)`` waits for every variant in the trace's compile instead (as before
-2026-12-06: the session took the workers' variants from the far end of their queue).
+2026-12-06: the session took the workers' variants from the far end of their queue); so do
+``on_compile_error="fallback"`` (the runner, built now, would skip the layout checks an eager
+fallback's outputs need) and start-up CUDA-graph capture (it runs every size on the first call).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -24,6 +27,7 @@ from typing import Any
 import sympy
 import torch
 
+from shapewise.errors import ShapewiseError
 from shapewise.ir.program import Binding, Piece, Variant
 from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.workers import WorkerPool, task_bytes
@@ -87,18 +91,30 @@ def start_workers(session: Any, pieces: Sequence[Piece], order: list[tuple[int, 
 class PendingVariant:
     """A variant a worker process compiles, as the dispatch table calls it: its first call (or
     ``resolve()``) gets the artifact through the session (``CompileSession.compile``: loaded from the
-    cache, waited for, or compiled here), in the grad mode of the trace's compile (part of its key),
-    then calls it; later calls go straight to it. ``report`` is the variant's report row, updated
-    in place. Carries the layouts the runner checks (``LAYOUTS_ATTR``) from the start."""
+    cache, waited for, or compiled here), under the state of the trace's compile that its key or its
+    compile depend on (grad mode, Inductor's config, the current CUDA device), then calls it; later
+    calls go straight to it. A failed compile's error is raised again by every later call, not
+    compiled again. ``report`` is the variant's report row, updated in place. Carries the layouts the
+    runner checks (``LAYOUTS_ATTR``) from the start. ``unresolved``: how many are pending in the
+    process (while any is, a compile may run in a call: ``ShapewiseModule`` lets other threads' calls
+    pass Dynamo meanwhile, as for lazy compiles)."""
+
+    unresolved = 0
+    _count_lock = threading.Lock()
 
     def __init__(self, session: Any, piece: Piece, variant: Variant, workers: WorkerPool | None,
-                 report: dict[str, Any]) -> None:
-        self._args = (session, piece, variant, workers)
+                 report: dict[str, Any], config: Any) -> None:
+        self._args: tuple | None = (session, piece, variant, workers)
         self._grad = torch.is_grad_enabled()
+        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        self._config = config
         self._fn: Any = None
+        self._error: BaseException | None = None
         self._lock = threading.Lock()
         self.report = report
         setattr(self, LAYOUTS_ATTR, session.layouts(piece, variant))
+        with PendingVariant._count_lock:
+            PendingVariant.unresolved += 1
 
     @property
     def ready(self) -> bool:
@@ -108,14 +124,29 @@ class PendingVariant:
         """The variant's callable, got once (thread-safe)."""
         if self._fn is None:
             with self._lock:
+                if self._error is not None:
+                    raise self._error
                 if self._fn is None:
-                    session, piece, variant, workers = self._args
-                    with torch.set_grad_enabled(self._grad):
-                        done = session.compile(piece, variant, workers=workers)
-                    self.report.clear()
-                    self.report.update(done.report)
-                    self._fn = done.compiled
+                    self._fn = self._get()
         return self._fn
+
+    def _get(self) -> Any:
+        session, piece, variant, workers = self._args
+        device = torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext()
+        try:
+            with torch.set_grad_enabled(self._grad), self._config(), device:
+                done = session.compile(piece, variant, workers=workers)
+        except BaseException as e:
+            self._error = e
+            self._args = None
+            with PendingVariant._count_lock:
+                PendingVariant.unresolved -= 1
+            raise
+        self.report.update(done.report)
+        self._args = None
+        with PendingVariant._count_lock:
+            PendingVariant.unresolved -= 1
+        return done.compiled
 
     @property
     def __wrapped__(self) -> Any:  # what Inductor generated, for the printer and the source views
@@ -123,8 +154,15 @@ class PendingVariant:
 
     def __call__(self, *args: Any) -> Any:
         fn = self._fn
-        return (fn if fn is not None else self.resolve())(*args)
+        if fn is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise ShapewiseError(
+                    f"{self.report.get('piece')} at {self.report.get('key')} is still a compile worker's (not loaded "
+                    "yet), and a CUDA graph is being captured: loading it inside the capture would break it. Call "
+                    "the compiled model's wait() (it loads every such variant) before capturing")
+            fn = self.resolve()
+        return fn(*args)
 
     def __repr__(self) -> str:
         return f"<shapewise.PendingVariant {self.report.get('piece')} {self.report.get('key')} " \
-               f"{'ready' if self.ready else 'pending'}>"
+               f"{'ready' if self.ready else 'failed' if self._error is not None else 'pending'}>"

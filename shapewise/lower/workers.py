@@ -340,8 +340,19 @@ class _Processes:
         return future
 
     def shutdown(self, grace: float = 10.0) -> None:
-        """End the workers: each finishes the task it has (none, when a session closed), then is
-        asked to stop; any still there after ``grace`` seconds in all is killed."""
+        """End the workers: what no worker has started is dropped (variants left pending by a session
+        are then compiled where they are first used), each finishes the task it has, then is asked
+        to stop; any still there after ``grace`` seconds in all is killed."""
+        dropped = 0
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[2].cancel():
+                dropped += 1
+        if dropped:
+            log.info("shapewise: %d compiles no worker had started were dropped with the workers", dropped)
         for _ in self.threads:
             self.queue.put(None)
         deadline = time.monotonic() + grace
