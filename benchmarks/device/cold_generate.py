@@ -148,6 +148,12 @@ def main() -> None:
         return
     if args.warm:
         return warm_main(args)
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    head = {"gpu": _device_name(args), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "prompt_sizes": SIZES}
     results = []
     for _ in range(args.repeats):
         for w in [int(x) for x in args.workers.split(",")]:
@@ -155,13 +161,8 @@ def main() -> None:
                 env = _cache_env(d)
                 row = _run_child(args, env, w, False)
                 results.append(row)
-    import torch
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cold_generate.json").write_text(json.dumps(
-        {"gpu": _device_name(args), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-         "prompt_sizes": SIZES, "rows": results}, indent=1))
+                # written after every child: a run its deadline cuts short keeps what it measured
+                (out / "cold_generate.json").write_text(json.dumps({**head, "rows": results}, indent=1))
 
 
 def _device_name(args: argparse.Namespace) -> str:
