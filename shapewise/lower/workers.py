@@ -53,6 +53,7 @@ __all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_worker
 log = logging.getLogger("shapewise")
 
 MAX_WORKERS = 8
+MAX_AUTO_WORKERS = 4
 # A graph whose pickle is larger than this holds tensors (constants, weights): compiled here.
 MAX_TASK_BYTES = 64 << 20
 # How long a session waits to hear from a worker whose artifact it loaded (to report it as the
@@ -66,10 +67,14 @@ def _cpus() -> int:
 
 
 def default_workers() -> int:
-    """Worker processes for ``compile_workers="auto"``: half the CPUs this process may use (each
-    worker's Inductor compiles Triton kernels on threads of its own), at most 8; 1 (none) below 4."""
+    """Worker processes for ``compile_workers="auto"``: a quarter of the CPUs this process may use
+    (each worker's Inductor compiles Triton kernels on threads of its own, and the session compiles
+    beside them), at most ``MAX_AUTO_WORKERS``; 1 (none) below 8. On the H200 machine's 16 CPUs
+    (2026-12-06, the 1B ``compile_generate``, first ``generate()`` / every variant ready, of a serial
+    start of 71.9-79.5 s): 2 workers 35.4 / 39.4 s, 4 workers 37.4 / 37.9 s, 6 workers 45.1 / 45.6 s:
+    six starve the session's own compile (until then "auto" gave 8: half the CPUs)."""
     cpus = _cpus()
-    return 1 if cpus < 4 else min(MAX_WORKERS, cpus // 2)
+    return 1 if cpus < 8 else min(MAX_AUTO_WORKERS, cpus // 4)
 
 
 def worker_compile_threads(workers: int) -> int:
