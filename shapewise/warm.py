@@ -66,6 +66,7 @@ def _config_text(model: Any) -> str:
 # Options that change how the compiles run, not what they make: not in a saved trace's key.
 _HOW_NOT_WHAT = ("progress", "compile_workers", "wait_for_workers")
 
+
 class WarmTraces:
     """The saved traces of one compiled model: ``load()`` once, ``serve()`` per call, ``trace()``
     for a call none serves (then ``save()``). ``info``: what happened, for ``warm_info``."""

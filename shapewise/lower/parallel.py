@@ -138,14 +138,12 @@ class PendingVariant:
                 done = session.compile(piece, variant, workers=workers)
         except BaseException as e:
             self._error = e
+            raise
+        finally:  # resolved either way: the session and pool are no longer needed
             self._args = None
             with PendingVariant._count_lock:
                 PendingVariant.unresolved -= 1
-            raise
         self.report.update(done.report)
-        self._args = None
-        with PendingVariant._count_lock:
-            PendingVariant.unresolved -= 1
         return done.compiled
 
     @property
