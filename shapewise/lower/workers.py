@@ -56,6 +56,11 @@ MAX_WORKERS = 8
 MAX_AUTO_WORKERS = 4
 # A graph whose pickle is larger than this holds tensors (constants, weights): compiled here.
 MAX_TASK_BYTES = 64 << 20
+# A worker's scheduling priority below the session's (``os.nice``): the session's own compile is the
+# one its caller waits for, so under contention for the CPUs it goes first (a worker and its Inductor
+# compile processes take what the session leaves). On the H200 machine's 16 CPUs, six workers at the
+# session's priority slowed the session's own compile of the first prompt size from 9.7-11.1 s to 14.1 s.
+WORKER_NICENESS = 10
 # How long a session waits to hear from a worker whose artifact it loaded (to report it as the
 # worker's); it wrote the file and reports at once, so this is only a bound.
 OUTCOME_WAIT_S = 10.0
@@ -283,8 +288,10 @@ def _receive(stream: Any) -> Any:
 def serve(out: Any) -> None:
     """A worker process (``python -m shapewise.lower.worker_process``): its setup, then tasks, on stdin;
     each task's (key, outcome, seconds) on ``out`` (the process's stdout, which nothing else writes
-    to); an empty task ends it."""
+    to); an empty task ends it. It runs ``WORKER_NICENESS`` below the session's priority."""
     inp = sys.stdin.buffer
+    with contextlib.suppress(OSError):  # (a platform without it: the same priority as the session)
+        os.nice(WORKER_NICENESS)
     _init_worker(*_receive(inp))
     while True:
         try:
