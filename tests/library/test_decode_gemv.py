@@ -159,7 +159,7 @@ def test_the_op_passes_torchs_custom_op_checks():
     torch.library.opcheck(torch.ops.shapewise.gemv.default, (x[None], w, None))
 
 
-def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
+def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight(monkeypatch):
     with pytest.raises(sw.ConfigError, match="between 1 and 64"):
         sw.library.DecodeGemv(max_tokens=65)
     assert sw.library.DecodeGemv(max_tokens=64).max_tokens == 64
@@ -174,11 +174,17 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight():
         for cfg in gemv_configs(n, k):
             assert cfg.split_k == 1 or k >= cfg.split_k * cfg.block_k
     assert any(c.split_k > 1 for c in gemv_configs(4096, 4096))
-    assert all(c.split_k == 1 for c in gemv_configs(22016, 4096))
+    assert all(c.split_k == 1 for c in gemv_configs(22016, 4096) if c.block_n <= 64)  # 344+ tiles: no split
     for tile in (16, 32, 64):  # every config's pipeline fits the shared memory at its row tile
         assert all((tile + c.block_n) * c.block_k * 2 * c.num_stages <= 192 << 10 for c in gemv_configs(4096, 4096,
                                                                                                      tile=tile))
     assert len(gemv_configs(4096, 4096, tile=64)) >= 6
+    # wdot (the weight as wgmma's M side) is timed beside dot at every tile, unless turned off.
+    for tile in (1, 16, 64):
+        assert {c.kernel for c in gemv_configs(4096, 4096, tile=tile)} >= {"dot", "wdot"}
+    assert str(GemvConfig(64, 128, 8, 4, 4, "wdot")) == "wdot.n64.k128.split8.w4.s4"
+    monkeypatch.setenv("SHAPEWISE_GEMV_WDOT", "0")
+    assert {c.kernel for c in gemv_configs(4096, 4096, tile=16)} == {"dot"}
 
 
 @pytest.mark.gpu

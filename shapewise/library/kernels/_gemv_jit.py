@@ -55,7 +55,8 @@ if triton is not None:
     def gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                    ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr, EARLY: tl.constexpr):
+                    ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr, EARLY: tl.constexpr,
+                    SWAP: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -69,7 +70,10 @@ if triton is not None:
         w_ptrs = w_ptr + rn[:, None] * swn + (k_lo + rk)[None, :] * swk
         m_ok = rm[:, None] < M
         n_ok = rn[:, None] < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:  # the weight is the product's M side (wgmma's 64-row tiles on Hopper), the rows its N side
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, chunk, BLOCK_K):
             if EVEN_K:
                 x_ok = m_ok
@@ -82,10 +86,15 @@ if triton is not None:
             if GLU:  # x is silu(gate) * up
                 x = _glu(x, u_ptrs, x_ok)
                 u_ptrs += BLOCK_K * sxk
-            acc += tl.dot(x, tl.trans(w))
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x))
+            else:
+                acc += tl.dot(x, tl.trans(w))
             x_ptrs += BLOCK_K * sxk
             w_ptrs += BLOCK_K * swk
         _let_dependents_launch(PDL, EARLY)
+        if SWAP:
+            acc = tl.trans(acc)
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
             acc += tl.where(pid_k == 0, bias, 0.0)[None, :]

@@ -1,16 +1,20 @@
-"""The two Triton kernels behind ``shapewise::gemv`` (``_gemv_jit.py``), their launch
+"""The Triton kernels behind ``shapewise::gemv`` (``_gemv_jit.py``), their launch
 configurations and their launch; ``gemv.py`` holds the op and the tuner that picks a config.
 
 - ``dot`` (``gemv_kernel``): the rows padded to a tile of 16, 32 or 64 for the tensor cores, each
   program ``block_n`` weight rows and one K slice (split-K for weights of few rows, summed with
   float32 atomics), the weight staged through shared memory in ``num_stages`` steps.
+- ``wdot`` (``gemv_kernel`` with ``SWAP``): the same with the product turned round, ``w @ x.T``:
+  64 or 128 weight rows are the tensor-core product's M side, so that on Hopper Triton emits
+  wgmma, which reads the weight from shared memory where ``dot``'s mma.sync loads it into registers
+  first (``ldmatrix``). ``SHAPEWISE_GEMV_WDOT=0`` leaves it out.
 - ``rows`` (``gemv_rows_kernel``), for one to four rows: no tensor cores and no split-K. Each program
   takes 1-8 whole weight rows, loads ``[block_n, block_k]`` tiles with 16-byte vector loads and sums
   in float32: small programs (~32 registers), many on each multiprocessor, so that the bytes in
   flight come from the number of programs, and no partial sums cross programs (no memset, atomics
   or conversion).
 
-Tuning times both kinds per weight and row tile (``gemv_configs``); neither is assumed faster.
+Tuning times every kind per weight and row tile (``gemv_configs``); neither is assumed faster.
 ``SHAPEWISE_GEMV_ROWS=0`` leaves the ``rows`` kernel out (tiles 1 and 4 then time the dot configs alone).
 On the H100 (``benchmarks/results/h100_20261206_rows``) it won the tuning on every 1B weight at one row.
 """
@@ -43,7 +47,7 @@ PDL_TRIGGER_EARLY = os.environ.get("SHAPEWISE_GEMV_PDL_TRIGGER", "late") == "ear
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """One launch configuration: the kernel (``dot`` or ``rows``), weight rows and K per step, K
+    """One launch configuration: the kernel (``dot``, ``wdot`` or ``rows``), weight rows and K per step, K
     slices, warps, pipeline stages (``rows``: always 1 slice and 1 stage)."""
 
     block_n: int
@@ -56,7 +60,8 @@ class GemvConfig:
     def __str__(self) -> str:
         if self.kernel == "rows":
             return f"rows.n{self.block_n}.k{self.block_k}.w{self.num_warps}"
-        return f"n{self.block_n}.k{self.block_k}.split{self.split_k}.w{self.num_warps}.s{self.num_stages}"
+        kind = "wdot." if self.kernel == "wdot" else ""
+        return f"{kind}n{self.block_n}.k{self.block_k}.split{self.split_k}.w{self.num_warps}.s{self.num_stages}"
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -74,6 +79,12 @@ _SMEM_BUDGET = 192 << 10
 # The dot tilings (block_n, block_k, warps, stages); the 64-wide ones are for row tiles above 16.
 _DOT_TILINGS = ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 8, 4), (32, 128, 4, 8), (32, 256, 4, 4),
                 (32, 256, 4, 6), (32, 512, 8, 3), (64, 256, 8, 3), (64, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3))
+# The wdot tilings (block_n, block_k, warps, stages): 64 or 128 weight rows, the M side of Hopper's
+# wgmma (m64nNk16: the rows are its N, 16-64), which reads both operands from shared memory: the weight
+# goes global -> shared (cp.async) -> tensor cores, where ``dot``'s mma.sync also moves it through the
+# registers (ldmatrix). Checked by compiling for sm_90a on a CPU machine (Triton 3.6): wgmma, no ldmatrix.
+_WDOT_TILINGS = ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 256, 4, 4), (128, 128, 4, 3),
+                 (128, 128, 8, 4))
 # The rows tilings (block_n, block_k, warps): weight tiles of 2-8K elements (4-16 KiB in bf16).
 _ROWS_TILINGS = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4),
                  (8, 1024, 8))
@@ -91,7 +102,10 @@ def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvCon
     products fit the registers."""
     dot_tile = max(16, tile)
     out = []
-    for bn, bk, warps, stages in _DOT_TILINGS:
+    tilings = [(t, "dot") for t in _DOT_TILINGS]
+    if os.environ.get("SHAPEWISE_GEMV_WDOT", "1") != "0":
+        tilings += [(t, "wdot") for t in _WDOT_TILINGS]
+    for (bn, bk, warps, stages), kernel in tilings:
         if (dot_tile + bn) * bk * 2 * stages > _SMEM_BUDGET or (dot_tile == 16 and bk == 64):
             continue
         splits = [1]
@@ -100,7 +114,7 @@ def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvCon
             split = min(8, 1 << (want - 1).bit_length())
             if k >= split * bk:
                 splits.append(split)
-        out.extend(GemvConfig(bn, bk, s, warps, stages) for s in splits)
+        out.extend(GemvConfig(bn, bk, s, warps, stages, kernel) for s in splits)
     if tile <= MAX_ROWS_KERNEL_ROWS and os.environ.get("SHAPEWISE_GEMV_ROWS", "1") != "0":
         out.extend(GemvConfig(bn, bk, 1, warps, 1, "rows") for bn, bk, warps in _ROWS_TILINGS
                    if tile * bn * bk <= _ROWS_PRODUCTS)
@@ -111,7 +125,7 @@ def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvCon
 def _kernels():
     from shapewise.library.kernels._gemv_jit import gemv_kernel, gemv_rows_kernel
 
-    return {"dot": gemv_kernel, "rows": gemv_rows_kernel}
+    return {"dot": gemv_kernel, "wdot": gemv_kernel, "rows": gemv_rows_kernel}
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig, *,
@@ -140,7 +154,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvC
     meta = dict(HAS_BIAS=b is not None, BLOCK_M=tile if rows else max(16, tile), BLOCK_N=cfg.block_n,
                 BLOCK_K=cfg.block_k, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=ahead > 0,
                 ELEM=w.element_size(), PF=max(1, 32 * cfg.num_warps // cfg.block_n), GLU=up is not None,
-                EARLY=PDL_TRIGGER_EARLY,
+                EARLY=PDL_TRIGGER_EARLY, **({"SWAP": True} if cfg.kernel == "wdot" else {}),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if rows else {"SPLIT": cfg.split_k > 1}),
                 **({"launch_pdl": True} if pdl else {}))
     kernel = _kernels()[cfg.kernel]
