@@ -64,7 +64,7 @@ def build_pipeline(
     dedupe: bool = True,
     progress: bool | None = None,
     lean: bool = True,
-    compile_workers: Any = 1,
+    compile_workers: Any = "auto",
     wait_for_workers: bool = False,
     graph_passes: Sequence[Any] = (),
     inductor_passes: Sequence[Any] = (),

@@ -16,6 +16,10 @@ import shapewise.models  # noqa: F401 - registers the toy custom ops
 # Inductor compiles on 2 CI cores: keep them from competing with each other.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+# compile_workers="auto" (the default) starts worker processes on a machine of 8 CPUs or more (the GPU
+# machine: 4 per test process): the tests of workers ask for them by number; the rest compile here.
+os.environ.setdefault("SHAPEWISE_COMPILE_WORKERS", "1")
+
 # shapewise's artifact cache: one fresh folder per test session, never the user's ~/.cache.
 _CACHE_DIR = tempfile.mkdtemp(prefix="shapewise-test-cache-")
 os.environ["SHAPEWISE_CACHE_DIR"] = _CACHE_DIR

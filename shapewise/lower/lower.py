@@ -400,7 +400,8 @@ class Lower(Pass):
     only Inductor artifacts are cached. ``progress``: None (a bar on a terminal), True, False.
     ``compile_workers``: processes that compile the static Inductor variants at the same time as
     this one compiles the rest (``shapewise.lower.workers``; through the disk cache, so only with
-    one); ``"auto"``: from the CPUs (``default_workers``); 1 (the default): none. What workers compile
+    one); ``"auto"`` (the default): from the CPUs (``default_workers``: none below 8 CPUs), or
+    ``SHAPEWISE_COMPILE_WORKERS`` where that is set; 1: none. What workers compile
     is loaded on first use, the trace's own size compiled here (``shapewise.lower.parallel``);
     ``wait_for_workers=True`` (and always with ``on_compile_error="fallback"``): every variant before
     the compile returns.
@@ -422,7 +423,7 @@ class Lower(Pass):
     dedupe: bool = True
     progress: Any = None
     lean: bool = True
-    compile_workers: Any = 1
+    compile_workers: Any = "auto"
     wait_for_workers: bool = False
 
     def __post_init__(self) -> None:

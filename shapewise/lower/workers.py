@@ -2,8 +2,8 @@
 worker processes, into the artifact cache the session shares with them, while the session itself
 compiles the rest.
 
-``Lower(compile_workers=N)`` (``sw.compile(..., compile_workers=N)``; ``"auto"``: from the CPUs this
-process may use). Before ``CompileSession.compile_all`` goes through the variants one by one, the
+``Lower(compile_workers=N)`` (``sw.compile(..., compile_workers=N)``; ``"auto"``, the default: from the
+CPUs this process may use, none below 8, or ``SHAPEWISE_COMPILE_WORKERS`` where set). Before ``CompileSession.compile_all`` goes through the variants one by one, the
 distinct content keys that need a compile (static, Inductor, cacheable, not on disk yet) are handed to
 N worker processes (``python -m shapewise.lower.worker_process``, started with the model's
 ``ShapewiseModule`` so that their imports run during Dynamo's trace, and kept for the process's later
@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from shapewise import _compat
+from shapewise.errors import ConfigError
 
 __all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes", "warm_up",
            "worker_compile_threads"]
@@ -74,11 +75,16 @@ def _cpus() -> int:
 def default_workers() -> int:
     """Worker processes for ``compile_workers="auto"``: a quarter of the CPUs this process may use
     (each worker's Inductor compiles Triton kernels on threads of its own, and the session compiles
-    beside them), at most ``MAX_AUTO_WORKERS``; 1 (none) below 8. On the H200 machine's 16 CPUs
-    (2026-12-06, the 1B ``compile_generate``, first ``generate()`` / every variant ready, of a serial
-    start of 71.9-79.5 s): 2 workers 35.4 / 39.4 s, 4 workers 37.4 / 37.9 s, 6 workers 45.1 / 45.6 s:
-    six starve the session's own compile (until then "auto" gave 8: half the CPUs)."""
-    cpus = _cpus()
+    beside them), shared with the other processes of a ``torchrun`` on this host (its
+    ``LOCAL_WORLD_SIZE``), at most ``MAX_AUTO_WORKERS``; 1 (none) below 8. On the H200 machine's 16
+    CPUs (2026-12-06, the 1B ``compile_generate``, first ``generate()`` / every variant ready, of a
+    serial start of 71.9-79.5 s): 2 workers 35.4 / 39.4 s, 4 workers 37.4 / 37.9 s, 6 workers 45.1 /
+    45.6 s: six starve the session's own compile (until then "auto" gave 8: half the CPUs)."""
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    cpus = _cpus() // local
     return 1 if cpus < 8 else min(MAX_AUTO_WORKERS, cpus // 4)
 
 
@@ -90,8 +96,23 @@ def worker_compile_threads(workers: int) -> int:
     return max(1, _cpus() // max(1, workers))
 
 
+#: What ``compile_workers="auto"`` (the default) means where it is set: a number of processes (1: none,
+#: a switch for a whole job, e.g. a test suite or a machine shared with other work), or "auto".
+WORKERS_ENV = "SHAPEWISE_COMPILE_WORKERS"
+
+
 def resolve_workers(option: Any) -> int:
-    return default_workers() if option == "auto" else int(option)
+    """``compile_workers`` as a number of processes: ``"auto"`` is ``SHAPEWISE_COMPILE_WORKERS``
+    where that is set, else ``default_workers()``."""
+    if option != "auto":
+        return int(option)
+    env = os.environ.get(WORKERS_ENV, "").strip()
+    if env in ("", "auto"):
+        return default_workers()
+    if not env.isdigit() or int(env) < 1:
+        raise ConfigError(f"{WORKERS_ENV}={env!r}: expected a number of compile worker processes >= 1 "
+                          f"(1: none, compile in this process) or 'auto' (from the CPUs)")
+    return int(env)
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,26 @@ def test_the_option_is_checked():
         with pytest.raises(sw.ConfigError, match="compile_workers must be"):
             sw.Lower(compile_workers=bad)
     assert sw.Lower(compile_workers="auto").compile_workers == "auto"
+    assert sw.Lower().compile_workers == "auto"  # the default: from the machine
     assert 1 <= workers.default_workers() <= workers.MAX_WORKERS
+
+
+def test_auto_is_the_environments_number_where_set_and_a_bad_one_is_refused(monkeypatch):
+    monkeypatch.setattr(workers, "_cpus", lambda: 16)
+    monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", "3")
+    assert workers.resolve_workers("auto") == 3 and workers.resolve_workers(2) == 2  # a number given wins
+    monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", "auto")
+    assert workers.resolve_workers("auto") == 4
+    monkeypatch.delenv("SHAPEWISE_COMPILE_WORKERS")
+    assert workers.resolve_workers("auto") == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks of this host share the CPUs
+    assert workers.resolve_workers("auto") == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert workers.resolve_workers("auto") == 2
+    for bad in ("0", "many", "-2"):
+        monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", bad)
+        with pytest.raises(sw.ConfigError, match="SHAPEWISE_COMPILE_WORKERS=.*expected a number"):
+            workers.resolve_workers("auto")
 
 
 @pytest.mark.parametrize("cpus, want", [(2, 1), (7, 1), (8, 2), (16, 4), (64, 4)])
