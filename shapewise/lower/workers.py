@@ -3,8 +3,9 @@ worker processes, into the artifact cache the session shares with them, while th
 compiles the rest.
 
 ``Lower(compile_workers=N)`` (``sw.compile(..., compile_workers=N)``; ``"auto"``, the default: from the
-CPUs this process may use, none below 8, or ``SHAPEWISE_COMPILE_WORKERS`` where set). Before ``CompileSession.compile_all`` goes through the variants one by one, the
-distinct content keys that need a compile (static, Inductor, cacheable, not on disk yet) are handed to
+CPUs this process may use, none below 8, or ``SHAPEWISE_COMPILE_WORKERS`` where set). Before
+``CompileSession.compile_all`` goes through the variants one by one, the distinct content keys that
+need a compile (static, Inductor, cacheable, not on disk yet) are handed to
 N worker processes (``python -m shapewise.lower.worker_process``, started with the model's
 ``ShapewiseModule`` so that their imports run during Dynamo's trace, and kept for the process's later
 compiles: a model's traces compile one after another). Each worker gets the piece's graph (pickled,
