@@ -113,6 +113,9 @@ class WarmTraces:
                  f"model={getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}",
                  f"config={_config_text(model)}", f"options={opts}", f"dims={dynamic_dims!r}",
                  f"grad={torch.is_grad_enabled()}"]
+        autocast = _compat.autocast_state()
+        if autocast:  # compiled code bakes autocast in (see ``_compat.autocast_state``)
+            parts.append(f"autocast={autocast}")
         return hashlib.sha256("\n".join(parts).encode()).hexdigest(), None
 
     @property

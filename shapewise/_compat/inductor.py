@@ -12,7 +12,8 @@ import torch
 import torch.fx
 
 __all__ = [
-    "aot_eager", "artifact_bytes", "autocast_enabled", "backward_source", "build_fingerprint", "compiled_backward",
+    "aot_eager", "artifact_bytes", "autocast_as", "autocast_enabled", "autocast_state", "backward_source",
+    "build_fingerprint", "compiled_backward",
     "compiled_source", "eager_backward", "inductor_config_fingerprint", "inductor_config_kept", "inference_entry",
     "install_kernel_binaries", "kernel_binaries", "load_artifact", "no_inductor_caches", "post_grad_pass",
     "set_grad_enabled", "standalone_compile", "warm_compile_workers",
@@ -170,6 +171,48 @@ def inference_entry(artifact: Any) -> tuple[Any, list[Any] | None] | None:
 #: ``autocast_enabled()``: whether any autocast (CPU, CUDA, ...) is on in this thread (the C
 #: function itself: it is called on the hot path).
 autocast_enabled = torch._C._is_any_autocast_enabled
+
+# The device types whose autocast ``autocast_state`` reads (one this torch build does not know is skipped).
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def autocast_state() -> tuple[tuple[str, str], ...]:
+    """The autocast this thread is under: (device type, dtype name) for each device type it is on
+    for; () where none is (one C call). A compile bakes it into the code (AOTAutograd traces under
+    it: a matmul of float32 inputs comes out bfloat16), so it is part of every key of compiled code,
+    and a compile on another thread or in another process (a worker, a pending variant, a background
+    compile) runs under the trace's (``autocast_as``)."""
+    if not autocast_enabled():
+        return ()
+    out = []
+    for device_type in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device_type):
+                out.append((device_type, str(torch.get_autocast_dtype(device_type)).removeprefix("torch.")))
+        except (RuntimeError, ValueError):  # a device type this build has no autocast for
+            continue
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def autocast_as(state: Sequence[tuple[str, str]]) -> Iterator[None]:
+    """This thread under exactly ``state`` (an ``autocast_state()``) for the block: autocast turned
+    on (at its dtype) or off per device type where the thread's differs."""
+    want = dict(state)
+    with contextlib.ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICES:
+            try:
+                on = torch.is_autocast_enabled(device_type)
+            except (RuntimeError, ValueError):
+                continue
+            if device_type in want:
+                dtype = getattr(torch, want[device_type])
+                if not on or torch.get_autocast_dtype(device_type) != dtype:
+                    stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            elif on:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
 
 #: ``set_grad_enabled(flag)``: switch grad mode without a context object (the hot path).
 set_grad_enabled = torch._C._set_grad_enabled

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from shapewise import _compat
 from shapewise.concretize import attach_variants, make_bindings
 from shapewise.dispatch.cudagraphs import GraphRuntime, build_graphs
 from shapewise.dispatch.guards import InputGuards
@@ -208,7 +209,8 @@ class _Background:
         self.done = threading.Event()
         self.stopping = threading.Event()
         self.general: _GeneralVariant | None = None
-        self._grad = torch.is_grad_enabled()  # grad mode is per thread: compile as the caller would
+        # grad mode and autocast are per thread: compile as the caller would
+        self._grad, self._autocast = torch.is_grad_enabled(), _compat.autocast_state()
         self.thread = threading.Thread(target=self._run, name="shapewise-compile", daemon=True)
 
     def __call__(self, *args: Any) -> Any:
@@ -229,7 +231,7 @@ class _Background:
         t0 = time.perf_counter()
         before = dict(self.session.counts)
         try:
-            with torch.set_grad_enabled(self._grad):
+            with torch.set_grad_enabled(self._grad), _compat.autocast_as(self._autocast):
                 if len(self.pending) > 1:
                     general = self._general()
                     if general is not None:

@@ -151,6 +151,8 @@ class CompileSession:
             f"passes={list(variant.passes)}",
             f"inductor_passes={[p.uuid() for p in variant.inductor_passes]}",
         ]
+        # compiled code bakes autocast in (``_compat.autocast_state``); a part only where it is on
+        parts += [f"autocast={state}" for state in [_compat.autocast_state()] if state]
         # A repr with an address differs in every process: such a key stays in memory.
         uuids = (*variant.passes, *[p.uuid() for p in variant.inductor_passes])
         disk = self.cache is not None and not any(" at 0x" in part for part in (options, *uuids))

@@ -27,6 +27,7 @@ from typing import Any
 import sympy
 import torch
 
+from shapewise import _compat
 from shapewise.errors import ShapewiseError
 from shapewise.ir.program import Binding, Piece, Variant
 from shapewise.ir.runner import LAYOUTS_ATTR
@@ -92,7 +93,7 @@ class PendingVariant:
     """A variant a worker process compiles, as the dispatch table calls it: its first call (or
     ``resolve()``) gets the artifact through the session (``CompileSession.compile``: loaded from the
     cache, waited for, or compiled here), under the state of the trace's compile that its key or its
-    compile depend on (grad mode, Inductor's config, the current CUDA device), then calls it; later
+    compile depend on (grad mode, autocast, Inductor's config, the current CUDA device), then calls it; later
     calls go straight to it. A failed compile's error is raised again by every later call, not
     compiled again. ``report`` is the variant's report row, updated in place. Carries the layouts the
     runner checks (``LAYOUTS_ATTR``) from the start. ``unresolved``: how many are pending in the
@@ -106,6 +107,7 @@ class PendingVariant:
                  report: dict[str, Any], config: Any) -> None:
         self._args: tuple | None = (session, piece, variant, workers)
         self._grad = torch.is_grad_enabled()
+        self._autocast = _compat.autocast_state()
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._config = config
         self._fn: Any = None
@@ -134,7 +136,7 @@ class PendingVariant:
         session, piece, variant, workers = self._args
         device = torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext()
         try:
-            with torch.set_grad_enabled(self._grad), self._config(), device:
+            with torch.set_grad_enabled(self._grad), _compat.autocast_as(self._autocast), self._config(), device:
                 done = session.compile(piece, variant, workers=workers)
         except BaseException as e:
             self._error = e

@@ -115,6 +115,56 @@ def test_pending_variants_load_under_the_traces_grad_mode_by_wait_and_wait_for_w
         sw.lower.Lower(wait_for_workers="yes")
 
 
+class AutocastOffPool(InlinePool):
+    """InlinePool with each task run where autocast is off, as in a worker process."""
+
+    def submit(self, key: str, data: bytes) -> None:
+        with torch.autocast("cpu", enabled=False):
+            super().submit(key, data)
+
+
+def test_autocast_is_in_the_key_and_workers_and_pending_variants_compile_under_the_traces(tmp_path, monkeypatch):
+    # A compile bakes autocast in (a float32 matmul comes out bfloat16). A model traced under autocast:
+    # the worker's variant and the pending one loaded by wait() (on a thread of its own, autocast off) are
+    # autocast's; the same model compiled without autocast on the same cache gets float32 code, not the
+    # autocast artifacts (before: served from the cache, bfloat16 outputs for a float32 model).
+    from shapewise.models import MLP
+
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", AutocastOffPool)
+    InlinePool.made, InlinePool.fail = [], set()
+    torch.manual_seed(0)
+    model = MLP(dim=16, hidden=32).eval()
+    xs = {n: torch.randn(n, 16) for n in (1, 2)}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = {n: model(x) for n, x in xs.items()}
+        fast = sw.compile(model, sizes=[1, 2], cache=tmp_path, compile_workers=2, progress=False)
+        assert_same(fast(xs[1]), want[1], "n=1 under autocast")
+    assert fast.wait(timeout=300)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fast(xs[2])
+    assert got.dtype == torch.bfloat16
+    assert_same(got, want[2], "n=2 under autocast, from the worker")
+    assert {r["source"] for r in fast.report()} == {"compiled", "worker"}
+    torch._dynamo.reset()
+    plain = sw.compile(model, sizes=[1, 2], cache=tmp_path, compile_workers=1, progress=False)
+    with torch.no_grad():
+        for n, x in xs.items():
+            got = plain(x)
+            assert got.dtype == torch.float32
+            assert_same(got, model(x), f"n={n} without autocast")
+    assert {r["source"] for r in plain.report()} == {"compiled"}
+    # The state itself, and putting a thread under one.
+    assert sw._compat.autocast_state() == ()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        state = sw._compat.autocast_state()
+        assert state == (("cpu", "bfloat16"),)
+        with sw._compat.autocast_as(()):
+            assert sw._compat.autocast_state() == ()
+    with sw._compat.autocast_as(state):
+        assert sw._compat.autocast_state() == state
+    assert sw._compat.autocast_state() == ()
+
+
 def test_a_real_worker_process_compiles_over_its_pipe_and_a_bad_task_fails_alone(tmp_path):
     cache = ArtifactCache(tmp_path)
     gm = torch.fx.symbolic_trace(lambda x, w: torch.relu(x @ w) + 1)
