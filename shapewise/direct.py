@@ -381,10 +381,9 @@ class DirectCalls:
 
 
 def _global_state(module: Any) -> tuple:
-    """What Dynamo guards globally and a call can change: grad mode, autocast (CPU and CUDA),
-    the module's training flag."""
-    return (torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
-            getattr(module, "training", None))
+    """What Dynamo guards globally and a call can change: grad mode, autocast (every device type's,
+    with its dtype: ``_compat.autocast_state``), the module's training flag."""
+    return torch.is_grad_enabled(), _compat.autocast_state(), getattr(module, "training", None)
 
 
 def build_direct_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], runnable: Callable[..., Any],

@@ -36,6 +36,22 @@ def test_direct_calls_answer_as_eager_at_every_size_and_range():
             assert _served_directly(fast, lambda x=x: assert_same(fast(x), model(x), f"n={n}"))
 
 
+def test_a_call_under_another_autocast_dtype_goes_through_dynamo():
+    # Dynamo guards autocast's dtype as well as whether it is on: the direct call checks both (it
+    # checked only on/off, and served bfloat16 code to a float16 autocast call).
+    torch.manual_seed(0)
+    model = MLP().eval()
+    fast = sw.compile(model, sizes=[4], direct_call=True, backend="aot_eager", progress=False)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fast(x)
+            assert _served_directly(fast, lambda: fast(x))
+        with torch.autocast("cpu", dtype=torch.float16):
+            assert not _served_directly(fast, lambda: assert_same(fast(x), model(x), "float16 autocast"))
+            assert fast(x).dtype == torch.float16
+
+
 def test_what_the_checks_refuse_goes_through_dynamo_and_stays_right():
     torch.manual_seed(0)
     model = MLP().eval()

@@ -398,7 +398,9 @@ def test_a_saved_program_keeps_its_facts_and_its_inner_values_come_back_for_a_co
     assert_same(fast(x), _WritesThroughAView()(x))
     (runnable,) = fast.runnables
     live = runnable.program
-    loaded, _ = program_from_bytes(program_bytes(runnable))
+    loaded, _, under = program_from_bytes(program_bytes(runnable))
+    # The state its artifacts' keys were made under (grad on, no autocast), which a load compiles under.
+    assert under == (True, ()) == runnable.compiled_under
     from shapewise._compat import precompile
 
     # No code generated at the load for graphs a call does not run: the whole graph, the stitching

@@ -172,8 +172,10 @@ def inference_entry(artifact: Any) -> tuple[Any, list[Any] | None] | None:
 #: function itself: it is called on the hot path).
 autocast_enabled = torch._C._is_any_autocast_enabled
 
-# The device types whose autocast ``autocast_state`` reads (one this torch build does not know is skipped).
-_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+# The device types whose autocast ``autocast_state`` reads: torch's list where it has one (one this
+# build has no autocast for is skipped).
+_AUTOCAST_DEVICES = tuple(getattr(torch._C, "_autocast_supported_devices", lambda: ())()) or (
+    "cpu", "cuda", "xpu", "mps", "hpu")
 
 
 def autocast_state() -> tuple[tuple[str, str], ...]:
@@ -211,6 +213,9 @@ def autocast_as(state: Sequence[tuple[str, str]]) -> Iterator[None]:
                     stack.enter_context(torch.autocast(device_type, dtype=dtype))
             elif on:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
+        if autocast_state() != tuple(state):  # torch.autocast turns itself off (a warning) where it cannot run
+            raise RuntimeError(f"cannot put this thread under autocast {tuple(state)} (it is under {autocast_state()}):"
+                               " is that device type available in this process?")
         yield
 
 

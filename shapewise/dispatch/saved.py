@@ -20,11 +20,14 @@ backend or option that does not pickle. What is loaded is checked by ``shapewise
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import logging
 import pickle
 from typing import Any
+
+import torch
 
 from shapewise import _compat
 from shapewise.concretize.examples import example_args_from_layouts, example_layouts
@@ -32,7 +35,7 @@ from shapewise.errors import ShapewiseError
 from shapewise.ir.effects import values_left_out
 from shapewise.ir.program import Program
 
-__all__ = ["FORMAT", "NotSaved", "load_program", "program_bytes", "program_from_bytes"]
+__all__ = ["FORMAT", "NotSaved", "compiled_as", "load_program", "program_bytes", "program_from_bytes"]
 
 log = logging.getLogger("shapewise")
 
@@ -107,7 +110,7 @@ def program_bytes(runnable: Any) -> bytes:
         pieces.append(dataclasses.replace(piece, variants=tuple(variants), call=None))
     stripped = program.replace(pieces=tuple(pieces))
     state = {"format": FORMAT, "modules": _modules(program), "layouts": layouts, "keys": keys,
-             "sources": _sources(program.gm)}
+             "sources": _sources(program.gm), "compiled_under": getattr(runnable, "compiled_under", None)}
     try:
         # Under the compile lock: the graphs lend their inner values out while they pickle, and a
         # background compile of one of them must not run meanwhile.
@@ -117,9 +120,10 @@ def program_bytes(runnable: Any) -> bytes:
         raise NotSaved(f"the program does not pickle ({type(e).__name__}: {str(e)[:300]})") from None
 
 
-def program_from_bytes(data: bytes) -> tuple[Program, dict[tuple[str, Any], tuple[str | None, bool]]]:
+def program_from_bytes(data: bytes) -> tuple[Program, dict[tuple[str, Any], tuple[str | None, bool]], Any]:
     """The Program ``program_bytes`` saved, its variants' example inputs made again (not compiled),
-    and {(piece name, binding): its artifact's content key}."""
+    {(piece name, binding): its artifact's content key}, and the (grad mode, autocast) it was compiled
+    under (None: not saved)."""
     state = pickle.loads(data)
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise NotSaved(f"not a saved shapewise program of format {FORMAT!r}")
@@ -149,16 +153,28 @@ def program_from_bytes(data: bytes) -> tuple[Program, dict[tuple[str, Any], tupl
             if (piece.name, i) in state["keys"]:
                 keys[piece.name, v.binding] = state["keys"][piece.name, i]
         pieces.append(dataclasses.replace(piece, variants=tuple(variants)))
-    return program.replace(pieces=tuple(pieces)), keys
+    return program.replace(pieces=tuple(pieces)), keys, state.get("compiled_under")
 
 
-def load_program(data: bytes) -> Program:
+def compiled_as(under: Any) -> contextlib.AbstractContextManager:
+    """This thread under a saved program's (grad mode, autocast) (``Runnable.compiled_under``): the
+    state its artifacts' keys were made under, which a compile of one bakes in. None: as it is."""
+    if under is None:
+        return contextlib.nullcontext()
+    grad, autocast = under
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.set_grad_enabled(grad))
+    stack.enter_context(_compat.autocast_as(autocast))
+    return stack
+
+
+def load_program(data: bytes) -> tuple[Program, Any]:
     """The Program of ``program_bytes``'s bytes, lowered: every variant loaded from the artifact
-    cache by its saved key (compiled where it is not there); a ``Runnable`` of it builds the
-    run-time state from its plans."""
-    program, keys = program_from_bytes(data)
+    cache by its saved key (compiled where it is not there, under the state it was compiled under);
+    and that state, for the ``Runnable`` of it (which builds the run-time state from its plans)."""
+    program, keys, under = program_from_bytes(data)
     lowering = program.lowering
     session = lowering.session()
     session.loaded_keys.update(keys)
-    with _compat.compiles_as_usual():
-        return lowering.apply(program, session)
+    with _compat.compiles_as_usual(), compiled_as(under):
+        return lowering.apply(program, session), under

@@ -73,6 +73,16 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _share() -> int:
+    """This process's share of its CPUs: shared with the other processes of a ``torchrun`` on this
+    host (its ``LOCAL_WORLD_SIZE``), at least 1."""
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, _cpus() // local)
+
+
 def default_workers() -> int:
     """Worker processes for ``compile_workers="auto"``: a quarter of the CPUs this process may use
     (each worker's Inductor compiles Triton kernels on threads of its own, and the session compiles
@@ -81,20 +91,16 @@ def default_workers() -> int:
     CPUs (2026-12-06, the 1B ``compile_generate``, first ``generate()`` / every variant ready, of a
     serial start of 71.9-79.5 s): 2 workers 35.4 / 39.4 s, 4 workers 37.4 / 37.9 s, 6 workers 45.1 /
     45.6 s: six starve the session's own compile (until then "auto" gave 8: half the CPUs)."""
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    cpus = _cpus() // local
+    cpus = _share()
     return 1 if cpus < 8 else min(MAX_AUTO_WORKERS, cpus // 4)
 
 
 def worker_compile_threads(workers: int) -> int:
-    """Inductor's ``compile_threads`` in each of ``workers`` workers: the CPUs shared out among them
-    (at least 1). Each would otherwise take the session's (Inductor's default: one per CPU, each a
+    """Inductor's ``compile_threads`` in each of ``workers`` workers: this process's CPUs (``_share``)
+    shared out among them (at least 1). Each would otherwise take the session's (Inductor's default: one per CPU, each a
     process of its own under its subprocess pool), so N workers would start N times as many compile
     processes as there are CPUs (on the H200's 16-CPU machine, 6 workers: 96)."""
-    return max(1, _cpus() // max(1, workers))
+    return max(1, _share() // max(1, workers))
 
 
 #: What ``compile_workers="auto"`` (the default) means where it is set: a number of processes (1: none,
@@ -110,7 +116,7 @@ def resolve_workers(option: Any) -> int:
     env = os.environ.get(WORKERS_ENV, "").strip()
     if env in ("", "auto"):
         return default_workers()
-    if not env.isdigit() or int(env) < 1:
+    if not (env.isascii() and env.isdecimal()) or int(env) < 1:
         raise ConfigError(f"{WORKERS_ENV}={env!r}: expected a number of compile worker processes >= 1 "
                           f"(1: none, compile in this process) or 'auto' (from the CPUs)")
     return int(env)
@@ -443,7 +449,9 @@ def warm_up(options: Mapping[str, Any]) -> None:
 
     if torch.cuda.is_available():
         _compat.warm_compile_workers()
-    workers = resolve_workers(options.get("compile_workers", 1))
+    if options.get("compile", "eager_all") != "eager_all":  # deferred compiles never hand work to workers
+        return
+    workers = resolve_workers(options.get("compile_workers", "auto"))  # (Lower's default)
     if workers > 1 and (options.get("backend", "inductor") == "inductor"):
         cache = resolve_cache(options.get("cache"))
         if cache is not None:

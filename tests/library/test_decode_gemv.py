@@ -380,7 +380,8 @@ def test_the_glu_kernel_matches_float64_on_split_halves(monkeypatch):
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         ref = F.linear(F.silu(gate.double()) * up.double(), w.double())
         configs = gemv_configs(n, k, tile=row_tile(m))
-        for cfg in configs[:4] + [c for c in configs if c.kernel == "rows"]:  # (1 and 3 rows: the rows kernel too)
+        wdot = [c for c in configs if c.kernel == "wdot"]
+        for cfg in configs[:4] + [c for c in configs if c.kernel == "rows"] + wdot[:1] + wdot[-1:]:  # (rows: 1-4 rows)
             y = _launch(gate, w, None, cfg, up=up)
             err = ((y.double() - ref).norm() / ref.norm()).item()
             assert err < 1e-2, (m, k, n, str(cfg), err)

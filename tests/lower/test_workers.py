@@ -115,6 +115,18 @@ def test_pending_variants_load_under_the_traces_grad_mode_by_wait_and_wait_for_w
         sw.lower.Lower(wait_for_workers="yes")
 
 
+def test_the_default_starts_workers_with_the_trace_and_deferred_compiles_start_none(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(workers, "_processes", lambda n, root: started.append(n))
+    monkeypatch.setattr(workers, "_cpus", lambda: 16)
+    monkeypatch.delenv("SHAPEWISE_COMPILE_WORKERS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    workers.warm_up({"cache": tmp_path})  # compile_workers left out: the default, "auto"
+    workers.warm_up({"cache": tmp_path, "compile": "lazy", "compile_workers": 4})  # never hands work out
+    workers.warm_up({"cache": False, "compile_workers": 4})  # no disk cache: no way back for artifacts
+    assert started == [4]
+
+
 class AutocastOffPool(InlinePool):
     """InlinePool with each task run where autocast is off, as in a worker process."""
 
@@ -163,6 +175,10 @@ def test_autocast_is_in_the_key_and_workers_and_pending_variants_compile_under_t
     with sw._compat.autocast_as(state):
         assert sw._compat.autocast_state() == state
     assert sw._compat.autocast_state() == ()
+    if not torch.cuda.is_available():  # torch.autocast would turn itself off: refused, never compiled without
+        with pytest.raises(RuntimeError, match="cannot put this thread under autocast"):
+            with sw._compat.autocast_as((("cuda", "float16"),)):
+                pass
 
 
 def test_a_real_worker_process_compiles_over_its_pipe_and_a_bad_task_fails_alone(tmp_path):
@@ -272,6 +288,7 @@ def test_the_option_is_checked():
 
 def test_auto_is_the_environments_number_where_set_and_a_bad_one_is_refused(monkeypatch):
     monkeypatch.setattr(workers, "_cpus", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", "3")
     assert workers.resolve_workers("auto") == 3 and workers.resolve_workers(2) == 2  # a number given wins
     monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", "auto")
@@ -282,7 +299,8 @@ def test_auto_is_the_environments_number_where_set_and_a_bad_one_is_refused(monk
     assert workers.resolve_workers("auto") == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert workers.resolve_workers("auto") == 2
-    for bad in ("0", "many", "-2"):
+    assert workers.worker_compile_threads(2) == 4  # the ranks' share of the CPUs, then the workers'
+    for bad in ("0", "many", "-2", "\u00b2"):
         monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", bad)
         with pytest.raises(sw.ConfigError, match="SHAPEWISE_COMPILE_WORKERS=.*expected a number"):
             workers.resolve_workers("auto")
@@ -292,6 +310,7 @@ def test_auto_is_the_environments_number_where_set_and_a_bad_one_is_refused(monk
 def test_auto_takes_a_quarter_of_the_cpus_at_most_four(monkeypatch, cpus, want):
     # (measured on the H200 machine's 16 CPUs: 2-4 workers beat 6, which starved the session's compile)
     monkeypatch.setattr(workers, "_cpus", lambda: cpus)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert workers.default_workers() == want
 
 
