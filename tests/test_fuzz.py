@@ -449,7 +449,7 @@ def _compile_and_call(ops, keep, two, sizes, ranges, calls, first, backend, refu
         assert outside, f"{fast.traces} traces, though every call passes the first trace's guards"
 
 
-@settings(FAST, max_examples=CI_EXAMPLES or 70)
+@settings(FAST, max_examples=CI_EXAMPLES or 50)
 @given(recipe=recipes(), binding=bindings())
 def test_compile_equals_eager(recipe, binding):
     check_compile(recipe, binding)
@@ -516,7 +516,7 @@ def check_pipeline(recipe, binding, layouts):
                 runnable(*call)
 
 
-@settings(FAST, max_examples=CI_EXAMPLES or 40)
+@settings(FAST, max_examples=CI_EXAMPLES or 30)
 @given(recipe=recipes(two_inputs=False), binding=bindings(), layouts=st.lists(st.sampled_from(LAYOUTS), min_size=1,
                                                                               max_size=4))
 def test_pipeline_equals_eager_in_any_layout(recipe, binding, layouts):
@@ -556,7 +556,7 @@ def check_split_stitch(recipe, n):
     assert_same(tuple(after), tuple(ref_after), f"n={n}: the inputs after the call")
 
 
-@settings(FAST, max_examples=CI_EXAMPLES or 100)
+@settings(FAST, max_examples=CI_EXAMPLES or 70)
 @given(recipe=recipes(), n=st.integers(1, 40))
 def test_split_then_stitch_is_the_identity(recipe, n):
     check_split_stitch(recipe, n)
