@@ -2,7 +2,7 @@
 # Device call (one H100 or H200), issue 28: DecodeGemv's wdot configs (the weight as wgmma's M side). Under one
 # deadline (DEADLINE s), each step only with time left: the kernel's GPU tests (every config against float64,
 # wdot's included; TEST_LIMIT s); bench_llama's 7B-sized stack at TOKENS, profiled, static+full against
-# DecodeGemv64 (wdot timed by the tuner beside dot); the same DecodeGemv64 with SHAPEWISE_GEMV_WDOT=0 (the
+# DecodeGemv64 (SHAPEWISE_GEMV_WDOT=1: wdot timed by the tuner beside dot); the same DecodeGemv64 without it (the
 # A/B on one machine); then bench_gemv on the 7B weights with every config timed in graphs. Results under
 # $OUT (packed into all.tgz). From the repository root: bash benchmarks/device/session_wdot.sh
 # SUITE=1: the whole GPU suite (`make gpu-test`'s markers, 8 workers, 2 Inductor threads each) in TEST_LIMIT s
@@ -23,9 +23,9 @@ llama() {  # $1: folder, $2: contenders; the rest of the environment as given
   [ "$T" -gt 90 ] && mkdir -p "$OUT/$1" && timeout $(( T - 5 - ${RESERVE:-0} )) python3 benchmarks/bench_llama.py \
     --out "$OUT/$1" --repeats 3 --tokens "${TOKENS:-1,5,8,16,64}" --profile --contenders "$2" 2>&1 | tail -12
 }
-RESERVE=${AB_RESERVE:-150} llama llama "${LLAMA_CONTENDERS:-shapewise static+full cudagraph,shapewise full cudagraph+DecodeGemv64}"
+SHAPEWISE_GEMV_WDOT=1 RESERVE=${AB_RESERVE:-150} llama llama "${LLAMA_CONTENDERS:-shapewise static+full cudagraph,shapewise full cudagraph+DecodeGemv64}"
 SHAPEWISE_GEMV_WDOT=0 RESERVE=${GEMV_RESERVE:-60} llama llama_nowdot "shapewise full cudagraph+DecodeGemv64"
 T=$(left); echo "left for bench_gemv: $T s"
-[ "$T" -gt 40 ] && timeout $(( T - 5 )) python3 benchmarks/bench_gemv.py --out "$OUT/gemv" --shapes 7b \
+[ "$T" -gt 40 ] && SHAPEWISE_GEMV_WDOT=1 timeout $(( T - 5 )) python3 benchmarks/bench_gemv.py --out "$OUT/gemv" --shapes 7b \
   --rows "${GEMV_ROWS:-8,64}" --repeats 3 --all-configs 2>&1 | grep -E "^\[|best config" | tail -16
 echo done
