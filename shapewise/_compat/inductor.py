@@ -13,7 +13,7 @@ import torch.fx
 
 __all__ = [
     "aot_eager", "artifact_bytes", "autocast_as", "autocast_enabled", "autocast_state", "backward_source",
-    "build_fingerprint", "compiled_backward",
+    "build_fingerprint", "compile_state", "compile_state_as", "compiled_backward",
     "compiled_source", "eager_backward", "inductor_config_fingerprint", "inductor_config_kept", "inference_entry",
     "install_kernel_binaries", "kernel_binaries", "load_artifact", "no_inductor_caches", "post_grad_pass",
     "set_grad_enabled", "standalone_compile", "warm_compile_workers",
@@ -216,6 +216,24 @@ def autocast_as(state: Sequence[tuple[str, str]]) -> Iterator[None]:
         if autocast_state() != tuple(state):  # torch.autocast turns itself off (a warning) where it cannot run
             raise RuntimeError(f"cannot put this thread under autocast {tuple(state)} (it is under {autocast_state()}):"
                                " is that device type available in this process?")
+        yield
+
+
+def compile_state() -> tuple[bool, tuple[tuple[str, str], ...]]:
+    """What a compile bakes in from its thread, and a content key holds: (grad mode,
+    ``autocast_state()``). A compile made later, on another thread or in another process, runs
+    under the trace's (``compile_state_as``)."""
+    return torch.is_grad_enabled(), autocast_state()
+
+
+@contextlib.contextmanager
+def compile_state_as(state: tuple[bool, Sequence[tuple[str, str]]] | None) -> Iterator[None]:
+    """This thread under a ``compile_state()`` for the block (None: as it is)."""
+    if state is None:
+        yield
+        return
+    grad, autocast = state
+    with torch.set_grad_enabled(grad), autocast_as(autocast):
         yield
 
 

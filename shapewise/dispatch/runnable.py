@@ -13,8 +13,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from shapewise import _compat
 from shapewise.dispatch.capture import capture_now
 from shapewise.dispatch.runtime import DispatchRuntime, _GeneralVariant, build_runtime
@@ -82,17 +80,17 @@ class Runnable(_compat.SerializableCallable):
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> Runnable:
-        from shapewise.dispatch.saved import compiled_as, load_program
+        from shapewise.dispatch.saved import load_program
 
         program, under = load_program(data)
-        with compiled_as(under):  # (its background compiles and lazy variants: as when it was traced)
+        with _compat.compile_state_as(under):  # (its background compiles and lazy variants: as when it was traced)
             return cls(program)
 
     def __init__(self, program: Program, trace: Sequence[PassRecord] = ()) -> None:
         self.program = program
         self.trace = tuple(trace)
-        #: (grad mode, autocast) of its compiles: what a saved program is loaded under (``saved.compiled_as``).
-        self.compiled_under = (torch.is_grad_enabled(), _compat.autocast_state())
+        #: (grad mode, autocast) of its compiles (``_compat.compile_state``): what a saved program loads under.
+        self.compiled_under = _compat.compile_state()
         #: The live objects built from ``program.dispatch``: table, guards, compile session,
         #: background thread, CUDA graphs (``dispatch.runtime.DispatchRuntime``).
         self.runtime: DispatchRuntime = build_runtime(program)

@@ -19,8 +19,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from shapewise import _compat
 from shapewise.concretize import attach_variants, make_bindings
 from shapewise.dispatch.cudagraphs import GraphRuntime, build_graphs
@@ -209,8 +207,7 @@ class _Background:
         self.done = threading.Event()
         self.stopping = threading.Event()
         self.general: _GeneralVariant | None = None
-        # grad mode and autocast are per thread: compile as the caller would
-        self._grad, self._autocast = torch.is_grad_enabled(), _compat.autocast_state()
+        self._state = _compat.compile_state()  # grad mode and autocast are per thread: compile as the caller would
         self.thread = threading.Thread(target=self._run, name="shapewise-compile", daemon=True)
 
     def __call__(self, *args: Any) -> Any:
@@ -231,7 +228,7 @@ class _Background:
         t0 = time.perf_counter()
         before = dict(self.session.counts)
         try:
-            with torch.set_grad_enabled(self._grad), _compat.autocast_as(self._autocast):
+            with _compat.compile_state_as(self._state):
                 if len(self.pending) > 1:
                     general = self._general()
                     if general is not None:

@@ -20,14 +20,11 @@ backend or option that does not pickle. What is loaded is checked by ``shapewise
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import logging
 import pickle
 from typing import Any
-
-import torch
 
 from shapewise import _compat
 from shapewise.concretize.examples import example_args_from_layouts, example_layouts
@@ -35,7 +32,7 @@ from shapewise.errors import ShapewiseError
 from shapewise.ir.effects import values_left_out
 from shapewise.ir.program import Program
 
-__all__ = ["FORMAT", "NotSaved", "compiled_as", "load_program", "program_bytes", "program_from_bytes"]
+__all__ = ["FORMAT", "NotSaved", "load_program", "program_bytes", "program_from_bytes"]
 
 log = logging.getLogger("shapewise")
 
@@ -156,18 +153,6 @@ def program_from_bytes(data: bytes) -> tuple[Program, dict[tuple[str, Any], tupl
     return program.replace(pieces=tuple(pieces)), keys, state.get("compiled_under")
 
 
-def compiled_as(under: Any) -> contextlib.AbstractContextManager:
-    """This thread under a saved program's (grad mode, autocast) (``Runnable.compiled_under``): the
-    state its artifacts' keys were made under, which a compile of one bakes in. None: as it is."""
-    if under is None:
-        return contextlib.nullcontext()
-    grad, autocast = under
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.set_grad_enabled(grad))
-    stack.enter_context(_compat.autocast_as(autocast))
-    return stack
-
-
 def load_program(data: bytes) -> tuple[Program, Any]:
     """The Program of ``program_bytes``'s bytes, lowered: every variant loaded from the artifact
     cache by its saved key (compiled where it is not there, under the state it was compiled under);
@@ -176,5 +161,5 @@ def load_program(data: bytes) -> tuple[Program, Any]:
     lowering = program.lowering
     session = lowering.session()
     session.loaded_keys.update(keys)
-    with _compat.compiles_as_usual(), compiled_as(under):
+    with _compat.compiles_as_usual(), _compat.compile_state_as(under):
         return lowering.apply(program, session), under

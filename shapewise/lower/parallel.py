@@ -106,8 +106,7 @@ class PendingVariant:
     def __init__(self, session: Any, piece: Piece, variant: Variant, workers: WorkerPool | None,
                  report: dict[str, Any], config: Any) -> None:
         self._args: tuple | None = (session, piece, variant, workers)
-        self._grad = torch.is_grad_enabled()
-        self._autocast = _compat.autocast_state()
+        self._state = _compat.compile_state()
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._config = config
         self._fn: Any = None
@@ -136,7 +135,7 @@ class PendingVariant:
         session, piece, variant, workers = self._args
         device = torch.cuda.device(self._device) if self._device is not None else contextlib.nullcontext()
         try:
-            with torch.set_grad_enabled(self._grad), _compat.autocast_as(self._autocast), self._config(), device:
+            with _compat.compile_state_as(self._state), self._config(), device:
                 done = session.compile(piece, variant, workers=workers)
         except BaseException as e:
             self._error = e

@@ -160,7 +160,7 @@ def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options:
     buf = io.BytesIO()
     try:
         _TaskPickler(buf).dump({"key": key, "gm": _graph_payload(gm), "args": specs, "options": options, "info": info,
-                                "grad": torch.is_grad_enabled(), "autocast": _compat.autocast_state()})
+                                "state": _compat.compile_state()})
     except Exception as e:  # noqa: BLE001 - such a variant is compiled in the session
         log.debug("shapewise: %s... is compiled here, not in a worker: %s: %s", key[:12], type(e).__name__, e)
         return None
@@ -271,7 +271,7 @@ def compile_in_worker(data: bytes) -> tuple[str, str, float]:
         with mode:
             args = [a.make() if isinstance(a, TensorSpec) else a for a in task["args"]]
         _traced_values(gm, mode, args)
-        with torch.set_grad_enabled(task["grad"]), _compat.autocast_as(task["autocast"]):
+        with _compat.compile_state_as(task["state"]):
             got = cache.compile_or_load(key, lambda: compile_static(gm, args, task["options"]),
                                         task["info"], wait=False)
         if got is None:
