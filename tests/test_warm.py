@@ -163,6 +163,34 @@ def test_a_call_no_loaded_trace_serves_traces_again_and_both_are_saved(tmp_path)
     assert third.traces == 2 and "2 trace(s) loaded" in third.warm_info
 
 
+def test_a_trace_made_under_autocast_loads_under_it_and_serves_autocast_calls(tmp_path, monkeypatch):
+    # Dynamo's tensor guards expect the dispatch keys their build saw (AutocastCPU under autocast):
+    # a trace loaded outside autocast failed every autocast call, so each start traced again and
+    # saved one trace more.
+    torch.manual_seed(0)
+    mlp = MLP(dim=8, hidden=16).eval()
+    opts = dict(sizes=[2, 3], backend="aot_eager", progress=False, cache=str(tmp_path), warm_start=True)
+    x = torch.randn(3, 8)
+
+    def calls(fast):
+        with torch.no_grad():
+            plain = fast(x)
+            with torch.autocast("cpu", torch.bfloat16):
+                cast, want = fast(x), mlp(x)
+        assert plain.dtype == torch.float32 and cast.dtype == want.dtype == torch.bfloat16
+        assert_same(plain, mlp(x))
+        assert_same(cast, want)
+
+    first = sw.compile(mlp, **opts)
+    calls(first)
+    assert first.traces == 2 and "2 trace(s) saved" in first.warm_info, first.warm_info
+    no_tracing(monkeypatch)
+    for _ in range(2):  # loaded twice: the file keeps its two traces
+        again = sw.compile(mlp, **opts)
+        calls(again)
+        assert again.traces == 2 and "2 trace(s) loaded" in again.warm_info, again.warm_info
+
+
 def test_warm_start_off_says_why(tmp_path):
     fast = sw.compile(MLP(dim=8, hidden=16), sizes=[2], backend="aot_eager", cache=False, warm_start=True,
                       progress=False)
