@@ -54,7 +54,6 @@ __all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_worker
 
 log = logging.getLogger("shapewise")
 
-MAX_WORKERS = 8
 MAX_AUTO_WORKERS = 4
 # A graph whose pickle is larger than this holds tensors (constants, weights): compiled here.
 MAX_TASK_BYTES = 64 << 20

@@ -283,7 +283,7 @@ def test_the_option_is_checked():
             sw.Lower(compile_workers=bad)
     assert sw.Lower(compile_workers="auto").compile_workers == "auto"
     assert sw.Lower().compile_workers == "auto"  # the default: from the machine
-    assert 1 <= workers.default_workers() <= workers.MAX_WORKERS
+    assert 1 <= workers.default_workers() <= workers.MAX_AUTO_WORKERS
 
 
 def test_auto_is_the_environments_number_where_set_and_a_bad_one_is_refused(monkeypatch):
