@@ -87,7 +87,6 @@ def test_two_gpus_on_nccl(tmp_path):
         assert result["traces"] == 1 and result["max_rel_error"] < 1e-4
 
 
-@pytest.mark.inductor
 def _known_refusal(name: str, message: str) -> bool:
     """transformers 5.17 (the GPU machine's) shards Qwen3's q/k norms with a module backward hook,
     which Dynamo traces only with compiled autograd: shapewise refuses it, naming the cause. 5.2x
@@ -105,16 +104,9 @@ def test_transformers_tp_plan_dtensor_weights(tmp_path):
     # vocab offset into the embedding and head pieces. Those pieces must not be shared between
     # ranks (shared, rank 1 ran rank 0's embedding: relative error 0.83); a piece whose DTensor
     # weights are only taken to_local is the same code on both and is compiled once.
-    ranks = run_world(tmp_path, "--hf", "--hf-zoo", "--cache", str(tmp_path / "cache"))
+    ranks = run_world(tmp_path, "--hf", "--hf-zoo", "phi3", "--cache", str(tmp_path / "cache"))
     for r, result in enumerate(ranks):
-        # The zoo's other decoders that have a tp_plan (aot_eager): right answers at 1 and 4 tokens,
-        # sharded weights, direct calls on for both traces.
-        assert set(result["zoo"]) == {"qwen3", "gemma3", "phi3"}
-        for name, z in result["zoo"].items():
-            if "refused" in z and _known_refusal(name, z["refused"]):
-                continue
-            assert z["dtensor_weights"] >= 10 and z["traces"] == 2, (r, name, z)
-            assert z["max_rel_error"] < 1e-5 and z["direct_info"] == "trace 1 (n=1): on; trace 2: on", (r, name, z)
+        check_zoo(r, result["zoo"], {"phi3"})  # (fused qkv and gate-up: test_tp_plans_of_the_zoo has the others)
         assert result["traces"] == 2, f"rank {r}: one trace for one token, one for the rest"
         assert result["dtensor_weights"] == 16, f"rank {r}: {result['dtensor_weights']}"  # embedding, 7 x 2, head
         # Past Dynamo's guards (the DeviceMesh a DTensor hook holds is an input, taken by identity).
@@ -138,6 +130,26 @@ def test_transformers_tp_plan_dtensor_weights(tmp_path):
     assert {piece for _, piece, _ in set(artifacts[0]) - shared} == {"piece_0", "piece_4"}
     compiled = [{row["artifact"] for row in result["rows"] if row["source"] == "compiled"} for result in ranks]
     assert not compiled[0] & compiled[1] & {artifacts[0][k] for k in shared}, "a shared piece compiled twice"
+
+
+def check_zoo(rank: int, zoo: dict, names: set[str]) -> None:
+    """The zoo's decoders that have a tp_plan (aot_eager): right answers at 1 and 4 tokens, sharded
+    weights, direct calls on for both traces."""
+    assert set(zoo) == names
+    for name, z in zoo.items():
+        if "refused" in z and _known_refusal(name, z["refused"]):
+            continue
+        assert z["dtensor_weights"] >= 10 and z["traces"] == 2, (rank, name, z)
+        assert z["max_rel_error"] < 1e-5 and z["direct_info"] == "trace 1 (n=1): on; trace 2: on", (rank, name, z)
+
+
+@pytest.mark.sweep
+def test_tp_plans_of_the_zoo(tmp_path):
+    # Every zoo decoder of tp_worker.ZOO_TP (CI runs phi3's in the test above): pytest -m sweep tests/distributed
+    from tests.distributed.tp_worker import ZOO_TP
+
+    for r, result in enumerate(run_world(tmp_path, "--hf", "--hf-zoo", "all", "--zoo-only")):
+        check_zoo(r, result["zoo"], set(ZOO_TP))
 
 
 @pytest.mark.gpu
