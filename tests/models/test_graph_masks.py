@@ -49,8 +49,9 @@ def _eager(model, ids, **run):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])  # qwen2's masks are a dict; mistral's slide (8)
 def test_unpadded_calls_build_their_masks_in_the_graph_with_eagers_tokens_and_traces(name):
     ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(1))
-    traces = {}
-    for graph_masks in (False, True):
+    # (llama's also without graph_masks: transformers' masks, and as many traces; the others' traces
+    # as many as without, which test_generate's sweeps count, not traced again here for CI time)
+    for graph_masks in (False, True) if name == "llama" else (True,):
         model = _model(name)
         want = _eager(model, ids)
         fast = sw.compile_generate(model, graph_masks=graph_masks, **KW)
@@ -59,8 +60,7 @@ def test_unpadded_calls_build_their_masks_in_the_graph_with_eagers_tokens_and_tr
             for _ in range(2):  # the second call through the direct calls the first one armed
                 assert torch.equal(model.generate(ids, **RUN), want)
         assert all(m is None for m in seen) == graph_masks and len(seen) == 2 * 20
-        traces[graph_masks] = fast.traces
-    assert traces[True] == traces[False]  # (two: prefill and decode; mistral's window one more)
+        assert fast.traces == (3 if name == "mistral" else 2), fast.report()  # prefill, decode; the window
 
 
 def test_a_padded_call_keeps_transformers_masks_for_the_whole_call():
