@@ -179,8 +179,8 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight(monk
         assert all((tile + c.block_n) * c.block_k * 2 * c.num_stages <= 192 << 10 for c in gemv_configs(4096, 4096,
                                                                                                      tile=tile))
     assert len(gemv_configs(4096, 4096, tile=64)) >= 6
-    # wdot (the weight as wgmma's M side), where asked for, is timed beside dot at every tile.
-    monkeypatch.setenv("SHAPEWISE_GEMV_WDOT", "1")
+    # wdot (the weight as wgmma's M side) is timed beside dot at every tile, unless turned off.
+    monkeypatch.delenv("SHAPEWISE_GEMV_WDOT", raising=False)
     for tile in (1, 16, 64):
         assert {c.kernel for c in gemv_configs(4096, 4096, tile=tile)} >= {"dot", "wdot"}
     assert str(GemvConfig(64, 128, 8, 4, 4, "wdot")) == "wdot.n64.k128.split8.w4.s4"
@@ -192,7 +192,6 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight(monk
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernel_matches_float64_at_every_config(dtype, monkeypatch):
     monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")  # the rows kernel's configs too
-    monkeypatch.setenv("SHAPEWISE_GEMV_WDOT", "1")  # and wdot's
     from shapewise.library.kernels.gemv import _launch
 
     torch.manual_seed(0)
@@ -372,7 +371,6 @@ def test_gemv_glu_is_the_three_ops_and_trains():
 @pytest.mark.gpu
 def test_the_glu_kernel_matches_float64_on_split_halves(monkeypatch):
     monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")  # the rows kernel's configs too
-    monkeypatch.setenv("SHAPEWISE_GEMV_WDOT", "1")  # and wdot's
     import shapewise.library.decode_gemv  # noqa: F401 - registers shapewise::gemv_glu
     from shapewise.library.kernels.gemv import _launch, row_tile
 
