@@ -2,8 +2,8 @@
 # Device call (one H100 or H200), issue 28: DecodeGemv's wdot configs (the weight as wgmma's M side). Under one
 # deadline (DEADLINE s), each step only with time left: the kernel's GPU tests (every config against float64,
 # wdot's included; TEST_LIMIT s); bench_llama's 7B-sized stack at TOKENS, profiled, static+full against
-# DecodeGemv64 (SHAPEWISE_GEMV_WDOT=1: wdot timed by the tuner beside dot); the same DecodeGemv64 without it (the
-# A/B on one machine); then bench_gemv on the 7B weights with every config timed in graphs. Results under
+# DecodeGemv64 (wdot timed by the tuner beside dot: the default since 2026-12-07); the same DecodeGemv64
+# without it (the A/B on one machine); then bench_gemv on the 7B weights with every config timed in graphs. Results under
 # $OUT (packed into all.tgz). From the repository root: bash benchmarks/device/session_wdot.sh
 # SUITE=1: the whole GPU suite (`make gpu-test`'s markers, 8 workers, 2 Inductor threads each) in TEST_LIMIT s
 # instead of the kernel's tests, then bench_llama with the time left.
