@@ -49,8 +49,8 @@ def _eager(model, ids, **run):
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])  # qwen2's masks are a dict; mistral's slide (8)
 def test_unpadded_calls_build_their_masks_in_the_graph_with_eagers_tokens_and_traces(name):
     ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(1))
-    # (llama's also without graph_masks: transformers' masks, and as many traces; the others' traces
-    # as many as without, which test_generate's sweeps count, not traced again here for CI time)
+    # (llama's also without graph_masks: transformers' masks, and as many traces; for the others the
+    # counts below, which are those without graph_masks, are not traced again here, for CI time)
     for graph_masks in (False, True) if name == "llama" else (True,):
         model = _model(name)
         want = _eager(model, ids)
