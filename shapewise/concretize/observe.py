@@ -5,6 +5,7 @@ not the size-oblivious trace's."""
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -64,10 +65,13 @@ def _run_split(program: Program, args: Sequence[Any], mode: FakeTensorMode,
     ``run_piece(piece, args)``); returns each piece's inputs, in ``seen`` if given (so a
     caller keeps what was recorded before a failure)."""
     seen = {} if seen is None else seen
+    unread = _unread_pieces(program.graph)
 
     def recorder(piece: Piece) -> Callable[..., Any]:
         def call(*a: Any) -> Any:
             seen[piece.name] = a
+            if piece.name in unread:  # only its inputs are wanted: not run
+                return _UNREAD
             return run_piece(piece, a) if run_piece is not None else piece.gm.forward(*a)
         return call
 
@@ -75,6 +79,36 @@ def _run_split(program: Program, args: Sequence[Any], mode: FakeTensorMode,
     with mode:
         run(*args)
     return seen
+
+
+class _Unread:
+    """What a piece whose outputs nobody reads returns in an observation (any item of it is itself)."""
+
+    def __getitem__(self, index: Any) -> _Unread:
+        return self
+
+
+_UNREAD = _Unread()
+
+
+def _unread_pieces(stitch: torch.fx.GraphModule) -> set[str]:
+    """The pieces whose outputs reach only the program's output (directly or through getitem): an
+    observation records each piece's inputs, so these need not run (a full graph is one such piece,
+    and the last piece of a split program usually is)."""
+    out = set()
+    for node in stitch.graph.nodes:
+        if node.op != "call_module":
+            continue
+        users, read = list(node.users), False
+        while users and not read:
+            user = users.pop()
+            if user.op == "call_function" and user.target is operator.getitem:
+                users.extend(user.users)
+            else:
+                read = user.op != "output"
+        if not read:
+            out.add(str(node.target))
+    return out
 
 
 def _layout_of(value: Any) -> Any:

@@ -11,7 +11,7 @@ import torch
 
 import shapewise as sw
 from shapewise.concretize import make_bindings
-from shapewise.ir.program import SymbolSource, TensorMeta
+from shapewise.ir.program import Program, SymbolSource, TensorMeta
 from shapewise.models import MLP
 from tests.helpers import column_major_after, dynamo_graph, symbolic_graph
 
@@ -101,6 +101,26 @@ def test_static_variant_takes_the_layout_eager_makes_at_its_size(backend):
     for n in (1, 2, 3, 8):
         x = torch.randn(n, 6)
         torch.testing.assert_close(runnable(n, x), gm(n, x), msg=f"n={n}")
+
+
+def test_observing_layouts_runs_no_piece_whose_outputs_only_the_program_returns(monkeypatch):
+    # Only each piece's inputs are recorded: the last piece (a full graph's only one) is not run at
+    # each size, and the layouts observed are as before (the stride-0 view at size 1 above).
+    from shapewise.concretize import observe
+
+    gm = dynamo_graph(_interleave_then_split, torch.randn(5, 6))
+    split = sw.Pipeline([sw.Split(ops=["shapewise_toy::attention"])]).apply(Program(gm=gm))
+    assert observe._unread_pieces(split.graph) == {split.pieces[-1].name}
+    program = sw.Pipeline([sw.Split(ops=["shapewise_toy::attention"]), sw.AnalyzeShapes()]).apply(Program(gm=gm))
+    last = program.pieces[-1]
+    ran = []
+    monkeypatch.setattr(last.gm, "forward", lambda *a: ran.append(a))
+    binding = sw.Concretize(sizes=[1]).apply(program).pieces[0].variants[0].binding
+    seen = observe.observed_inputs(program, binding)
+    assert not ran and set(seen) == {p.name for p in program.pieces}
+    assert any(isinstance(a, torch.Tensor) and a.stride() == (0, 1) for a in seen[last.name])
+    full = sw.Pipeline([sw.Split(ops=[])]).apply(Program(gm=gm))
+    assert observe._unread_pieces(full.graph) == {full.pieces[0].name}
 
 
 def test_two_symbols_product_and_list_of_bindings():
