@@ -48,7 +48,7 @@ __all__ = ["FORMAT", "WarmTraces"]
 
 log = logging.getLogger("shapewise")
 
-FORMAT = "shapewise-warm/3"
+FORMAT = "shapewise-warm/2"
 SECTION = "traces"
 
 
@@ -77,9 +77,6 @@ class WarmTraces:
         self.fixed: list[dict[str, int | None]] = []
         #: Per trace, what it sets in Python state (``_saved_effects``), for its direct call.
         self.effects: list[Any] = []
-        #: Per trace, the autocast it was traced under (``_compat.autocast_state()``), which its load
-        #: runs under: Dynamo's tensor guards expect the dispatch keys their build saw (``AutocastCPU``).
-        self.autocast: list[Any] = []
         #: ``(index, trace, effects, args, kwargs)`` before a trace's first call (the module's direct
         #: calls: ``install_direct``); None: nothing to do.
         self.first_call: Callable[..., None] | None = None
@@ -139,10 +136,7 @@ class WarmTraces:
                 self.info = "cold start: no saved traces for this model and options yet"
                 return []
             saved = pickle.loads(entry.sections[SECTION])
-            traces = []
-            for data, _, _, autocast in saved:
-                with _compat.autocast_as(autocast):
-                    traces.append(_compat.load_aot_trace(data, self.model))
+            traces = [_compat.load_aot_trace(data, self.model) for data, _, _ in saved]
             changed = [c for t in traces for c in t.changed_sources()]
             if changed:
                 raise CacheCorrupt(f"the model's code changed since its traces were saved ({', '.join(changed[:4])})")
@@ -153,9 +147,8 @@ class WarmTraces:
             self.cache.remove(self.key)
             return []
         self.traces = traces
-        self.fixed = [dict(fixed) for _, fixed, _, _ in saved]
-        self.effects = [effects for _, _, effects, _ in saved]
-        self.autocast = [autocast for _, _, _, autocast in saved]
+        self.fixed = [dict(fixed) for _, fixed, _ in saved]
+        self.effects = [effects for _, _, effects in saved]
         self.loaded_from = str(path)
         self.info = (f"warm start: {len(traces)} trace(s) loaded from {path} in {time.perf_counter() - t0:.2f} s "
                      "(no Dynamo trace)")
@@ -182,7 +175,6 @@ class WarmTraces:
         t = _compat.aot_trace(fn, args, kwargs, backend)
         self.traces.append(t)
         self.effects.append(_saved_effects(_compat.captured_side_effects()))
-        self.autocast.append(_compat.autocast_state())
         full = (*self._self, *args)
         self._first(len(self.traces) - 1, full, kwargs)
         return t(*full, **kwargs)
@@ -194,7 +186,7 @@ class WarmTraces:
 
     def forget(self, count: int) -> None:
         """Drop the traces past the first ``count`` (a trace the caller refused after it was made)."""
-        del self.traces[count:], self.effects[count:], self.autocast[count:]
+        del self.traces[count:], self.effects[count:]
         self._called = {i for i in self._called if i < count}
 
     # -- saving ----------------------------------------------------------------------------
@@ -205,8 +197,7 @@ class WarmTraces:
             return
         self.fixed = [dict(f) for f in fixed]
         try:
-            data = pickle.dumps([(t.dumps(), f, e, a) for t, f, e, a in
-                                 zip(self.traces, self.fixed, self.effects, self.autocast)])
+            data = pickle.dumps([(t.dumps(), f, e) for t, f, e in zip(self.traces, self.fixed, self.effects)])
             path = self.cache.write(self.key, {SECTION: data}, {"what": "shapewise traces", "traces": len(self.traces)})
         except NotSaved as e:
             self.info = f"warm start: not saved: {e}"

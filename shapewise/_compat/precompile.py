@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shapewise._compat.dynamo import SOURCE_META
+from shapewise._compat.inductor import autocast_as, autocast_state
 
 __all__ = ["HAS_AOT_COMPILE", "AOTTrace", "SerializableCallable", "TraceNotSaved", "aot_trace", "captured_side_effects",
            "compiles_as_usual", "graph_dumps", "graph_loads", "guard_stand_in", "load_aot_trace", "recompile_loaded"]
@@ -232,10 +233,13 @@ class AOTTrace:
     """One Dynamo trace made ahead of its call, savable: ``check(*args, **kwargs)`` runs its guards,
     ``__call__`` its bytecode (which calls the backend's callable), ``dumps()`` its bytes."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, autocast: Any = ()) -> None:
         self._fn = fn
         #: The guards left out because torch cannot save them ("ID_MATCH L['x'].attr"), at trace time.
         self.dropped_guards: list[str] = []
+        #: The autocast it was traced under (``autocast_state()``): saved, and its load builds the guards
+        #: under it (Dynamo's tensor guards expect the dispatch keys their build saw, ``AutocastCPU``).
+        self.autocast = tuple(autocast)
 
     def check(self, *args: Any, **kwargs: Any) -> bool:
         return bool(self._fn.guard_check(*args, **kwargs))
@@ -280,7 +284,7 @@ class AOTTrace:
         scope = self._fn._extra_globals or {}
         modules = {ref: scope[ref].__name__ for ref in getattr(env, "external_refs", ())
                    if isinstance(scope.get(ref), types.ModuleType)}
-        return pickle.dumps({"trace": data, "modules": modules})
+        return pickle.dumps({"trace": data, "modules": modules, "autocast": self.autocast})
 
     def changed_sources(self) -> list[str]:
         """The traced functions whose source changed since the trace (module:first line); [] when none."""
@@ -432,7 +436,7 @@ def aot_trace(fn: Callable[..., Any], args: tuple, kwargs: dict, backend: Callab
             # dynamic=False: only the marked dims are dynamic (no automatic dynamic on a second
             # trace), as shapewise.compile's torch.compile(dynamic=False) has it.
             t = AOTTrace(aot_compile_fullgraph(fn, (args, kwargs), hooks=Hooks(guard_filter_fn=keep),
-                                               backend=compile_graph, dynamic=False))
+                                               backend=compile_graph, dynamic=False), autocast_state())
     except Exception as e:
         from shapewise._compat.dynamo import is_trace_error
 
@@ -482,5 +486,6 @@ def load_aot_trace(data: bytes, traced: Any = None) -> AOTTrace:
     # Dynamo installed there.
     f_globals = {**(fn.__globals__ if fn is not None else {}),
                  **{ref: importlib.import_module(name) for ref, name in saved["modules"].items()}}
-    with _builtins_are_external_refs():
-        return AOTTrace(AOTCompiledFunction.deserialize(saved["trace"], f_globals, _closure_data(closure)))
+    autocast = saved.get("autocast", ())
+    with _builtins_are_external_refs(), autocast_as(autocast):
+        return AOTTrace(AOTCompiledFunction.deserialize(saved["trace"], f_globals, _closure_data(closure)), autocast)
