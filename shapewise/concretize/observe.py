@@ -5,7 +5,6 @@ not the size-oblivious trace's."""
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ from shapewise import _compat
 from shapewise._compat import FakeTensorMode, storage_length
 from shapewise.concretize.examples import _materialise, _range_env, fake_at
 from shapewise.errors import GuardViolation
+from shapewise.graph_split.registry import is_getitem
 from shapewise.ir.program import Binding, Piece, Program, TensorMeta
 from shapewise.ir.runner import make_runner
 from shapewise.ir.symbolic import evaluate
@@ -102,7 +102,7 @@ def _unread_pieces(stitch: torch.fx.GraphModule) -> set[str]:
         users, read = list(node.users), False
         while users and not read:
             user = users.pop()
-            if user.op == "call_function" and user.target is operator.getitem:
+            if is_getitem(user):
                 users.extend(user.users)
             else:
                 read = user.op != "output"
