@@ -43,6 +43,7 @@ import logging
 import math
 import operator
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -284,6 +285,10 @@ class FuseProjections(GraphPass):
 
     def applies(self, sizes: Sizes) -> bool:
         return self.max_tokens is None or all(isinstance(v, int) for v in sizes.values())
+
+    def rewrite_key(self, sizes: Sizes) -> Hashable | None:
+        # Without max_tokens the rewrite never reads the sizes: one rewrite serves every variant of a piece.
+        return "every size" if self.max_tokens is None else None
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult:
         if not isinstance(sizes, VariantSizes):

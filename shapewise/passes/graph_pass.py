@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -106,6 +106,10 @@ class GraphPass(_VariantLevel):
     sharing the piece's graph). A bare ``GraphModule`` counts as modified where its code differs.
     ``inductor_options()``: Inductor config the rewritten graph needs, applied to the variants
     whose graph this pass changed (the user's own options for the compile win over them).
+    ``rewrite_key(sizes)``: what of the sizes the rewrite depends on. None (the default): all of
+    them, so each variant is rewritten on its own. Any other (hashable) value: the variants of one
+    piece whose keys are equal are rewritten once and share the graph (a rewrite that never reads
+    ``sizes`` returns a constant: five prompt sizes then cost one rewrite, not five).
     """
 
     name: ClassVar[str] = "graph_pass"
@@ -115,6 +119,9 @@ class GraphPass(_VariantLevel):
 
     def inductor_options(self) -> Mapping[str, Any]:
         return {}
+
+    def rewrite_key(self, sizes: Sizes) -> Hashable | None:
+        return None
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult | torch.fx.GraphModule:
         raise NotImplementedError(f"{type(self).__name__}.rewrite")
@@ -151,14 +158,17 @@ def rewrite_program(program: Program, graph_passes: Sequence[GraphPass], inducto
     if compiled:
         raise ConfigError(f"graph passes run before Lower: {compiled[0]}'s variants are compiled already, and "
                           f"{by.spec()} now would not reach them; put {by.spec()} between Concretize and Lower")
+    shared: dict[tuple, torch.fx.GraphModule | None] = {}  # (pass, its input graph, rewrite_key): its output
     pieces = tuple(p if p.is_splitting else dataclasses.replace(
-        p, variants=tuple(_variant(graph_passes, inductor_passes, p, v, program.fixed_sizes) for v in p.variants))
+        p, variants=tuple(_variant(graph_passes, inductor_passes, p, v, program.fixed_sizes, shared)
+                          for v in p.variants))
         for p in program.pieces)
     return program.replace(pieces=pieces, rewrites=(*program.rewrites, by))
 
 
 def _variant(graph_passes: Sequence[GraphPass], inductor_passes: Sequence[InductorPass], piece: Piece,
-             variant: Variant, fixed: Mapping[str, int] | None = None) -> Variant:
+             variant: Variant, fixed: Mapping[str, int] | None = None,
+             shared: dict[tuple, torch.fx.GraphModule | None] | None = None) -> Variant:
     sizes = variant_sizes(variant.binding, piece.shapes.names if piece.shapes else {}, fixed)
     graph = [p for p in graph_passes if _applies(p, piece, sizes)]
     inductor = tuple(p for p in inductor_passes if _applies(p, piece, sizes))
@@ -168,7 +178,7 @@ def _variant(graph_passes: Sequence[GraphPass], inductor_passes: Sequence[Induct
     applied = list(variant.passes)
     options = dict(variant.inductor_options)
     for p in graph:
-        out = _run(p, piece, gm, sizes)
+        out = _shared_run(p, piece, gm, sizes, shared)
         if out is not None:  # a pass that found nothing to change leaves the graph shared
             gm = out
             applied.append(p.uuid())
@@ -196,6 +206,24 @@ def _outputs(gm: torch.fx.GraphModule) -> int:
 
 def _placeholders(gm: torch.fx.GraphModule) -> list[str]:
     return [str(n.target) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _shared_run(p: GraphPass, piece: Piece, gm: torch.fx.GraphModule, sizes: VariantSizes,
+                shared: dict[tuple, torch.fx.GraphModule | None] | None) -> torch.fx.GraphModule | None:
+    """``_run``, once for the variants whose ``rewrite_key`` is equal (a key of None: every time).
+    The graph in the key is the input's identity: the variants share it while no earlier pass
+    rewrote them apart."""
+    try:
+        key = p.rewrite_key(sizes)
+    except Exception as e:
+        raise ShapewiseError(f"graph pass {p.spec()}.rewrite_key({sizes}) raised for {piece.name}: "
+                             f"{type(e).__name__}: {e}") from e
+    if key is None or shared is None:
+        return _run(p, piece, gm, sizes)
+    memo = (id(p), id(gm), key)  # both alive for the whole rewrite_program call
+    if memo not in shared:
+        shared[memo] = _run(p, piece, gm, sizes)
+    return shared[memo]
 
 
 def _run(p: GraphPass, piece: Piece, gm: torch.fx.GraphModule, sizes: dict[str, Any]) -> torch.fx.GraphModule | None:

@@ -170,6 +170,8 @@ def test_max_tokens_gates_by_rows_and_bad_options_are_refused():
         str(n.target).startswith(OP) for n in (v.gm or out.compute_pieces[0].gm).graph.nodes)
         for v in out.compute_pieces[0].variants}
     assert fused == {2: True, 8: False}
+    every = sw.library.FuseProjections()(program)  # without max_tokens: one rewrite, shared by both sizes
+    assert len({id(v.gm) for v in every.compute_pieces[0].variants}) == 1 and every.compute_pieces[0].variants[0].gm
     with pytest.raises(sw.ConfigError, match="max_tokens=0"):
         sw.library.FuseProjections(max_tokens=0)
     with pytest.raises(sw.ConfigError, match="give the torch.nn.Module"):

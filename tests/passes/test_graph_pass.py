@@ -66,6 +66,40 @@ def test_a_graph_pass_is_a_stage_of_a_pipeline_and_the_on_miss_variant_gets_it_t
         assert_same(runnable(*graph_args(gm, x))[0], f(x), f"n={n}")
 
 
+_REWRITES: list[dict] = []
+
+
+@dataclass(frozen=True)
+class CountedGateRelu(GateRelu):
+    """GateRelu that counts its rewrites; ``shared``: its rewrite_key says it never reads the sizes."""
+
+    name: ClassVar[str] = "counted_gate_relu"
+    shared: bool = False
+
+    def rewrite_key(self, sizes):
+        return "any" if self.shared else None
+
+    def rewrite(self, gm, sizes):
+        _REWRITES.append(dict(sizes))
+        return super().rewrite(gm, sizes)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_variants_whose_rewrite_key_is_equal_are_rewritten_once_and_share_the_graph(shared):
+    gm = dynamo_graph(f, torch.randn(4, 3))
+    counted = CountedGateRelu(shared=shared)
+    _REWRITES.clear()
+    runnable = sw.Pipeline([sw.Split(), sw.Concretize(sizes=[2, 4, 8]), counted, sw.Lower(backend="eager")]).run(gm)
+    variants = runnable.trace[3].program.compute_pieces[0].variants
+    assert len(_REWRITES) == (1 if shared else 3) and len(variants) == 3
+    assert len({id(v.gm) for v in variants}) == (1 if shared else 3)
+    for v in variants:
+        assert "relu" not in v.gm.code and v.passes == (counted.uuid(),)
+    for n in (2, 4, 8):
+        x = torch.randn(n, 3)
+        assert_same(runnable(*graph_args(gm, x))[0], f(x), f"n={n}")
+
+
 def test_a_graph_pass_needs_concretize_and_runs_it_on_demand():
     gm = dynamo_graph(f, torch.randn(4, 3))
     out = sw.Pipeline([sw.Concretize(sizes=[2]), GateRelu()])(gm)
