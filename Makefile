@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/shapewise demo
 
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=30
+	$(BIN)/python -m pytest -q -n auto --dist worksteal --durations=60
 
 fuzz: install
 	$(BIN)/python -m pytest -q -m fuzz
