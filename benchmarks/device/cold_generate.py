@@ -70,8 +70,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
 
         prof = cProfile.Profile()
         prof.enable()
-    # On the CPU, the programs the GPU's defaults make: full graphs, the projections fused per size.
-    cpu_as_gpu = dict(splitting_ops=(), fuse_projections=True) if cpu_layers else {}
+    # On the CPU, the programs the GPU's defaults make: full graphs, the projections fused, the input updates batched.
+    cpu_as_gpu = dict(splitting_ops=(), fuse_projections=True, batch_updates=True) if cpu_layers else {}
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
                                cudagraphs=False if cpu_layers else "full", compile_workers=workers, progress=False,

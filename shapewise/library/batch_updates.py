@@ -21,6 +21,7 @@ two such adds share an amount. ``PassResult.modified`` says whether any was move
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -48,6 +49,9 @@ class BatchInputUpdates(GraphPass):
 
     name: ClassVar[str] = "batch_input_updates"
     version: ClassVar[int] = 2
+
+    def rewrite_key(self, sizes: Sizes) -> Hashable | None:
+        return "every size"  # the rewrite reads the graph's storages, never the sizes: one rewrite per piece
 
     def rewrite(self, gm: torch.fx.GraphModule, sizes: Sizes) -> PassResult:
         graph = gm.graph

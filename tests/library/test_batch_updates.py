@@ -63,6 +63,8 @@ def test_adds_nothing_reads_after_move_to_one_foreach_add_at_the_end():
     assert_same(variant.gm(*got)[0], counters(*want))
     for g, w in zip(got, want):  # every input's new value, the moved adds' included
         assert_same(g, w)
+    two = sw.library.BatchInputUpdates()(sw.Concretize(sizes=[2, 4])(gm))  # one rewrite, shared by both sizes
+    assert len({id(v.gm) for v in two.compute_pieces[0].variants}) == 1 and two.compute_pieces[0].variants[0].gm
 
 
 def test_an_input_that_shares_memory_or_a_lone_amount_is_left_alone():
