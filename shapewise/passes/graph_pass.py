@@ -167,11 +167,11 @@ def rewrite_program(program: Program, graph_passes: Sequence[GraphPass], inducto
 
 
 def _variant(graph_passes: Sequence[GraphPass], inductor_passes: Sequence[InductorPass], piece: Piece,
-             variant: Variant, fixed: Mapping[str, int] | None = None,
-             shared: dict[tuple, torch.fx.GraphModule | None] | None = None) -> Variant:
+             variant: Variant, fixed: Mapping[str, int] | None,
+             shared: dict[tuple, torch.fx.GraphModule | None]) -> Variant:
     sizes = variant_sizes(variant.binding, piece.shapes.names if piece.shapes else {}, fixed)
-    graph = [p for p in graph_passes if _applies(p, piece, sizes)]
-    inductor = tuple(p for p in inductor_passes if _applies(p, piece, sizes))
+    graph = [p for p in graph_passes if _ask(p, "applies", piece, sizes)]
+    inductor = tuple(p for p in inductor_passes if _ask(p, "applies", piece, sizes))
     if not graph and not inductor:
         return variant
     gm = variant.gm if variant.gm is not None else piece.gm
@@ -191,12 +191,14 @@ def _variant(graph_passes: Sequence[GraphPass], inductor_passes: Sequence[Induct
                                inductor_options=tuple(sorted(options.items())))
 
 
-def _applies(p: GraphPass | InductorPass, piece: Piece, sizes: dict[str, Any]) -> bool:
+def _ask(p: GraphPass | InductorPass, method: str, piece: Piece, sizes: dict[str, Any]) -> Any:
+    """``p.<method>(sizes)`` (``applies``, ``rewrite_key``), an error naming the pass and piece where it raises."""
     try:
-        return bool(p.applies(sizes))
+        out = getattr(p, method)(sizes)
     except Exception as e:
-        raise ShapewiseError(f"graph pass {p.spec()}.applies({sizes}) raised for {piece.name}: "
+        raise ShapewiseError(f"graph pass {p.spec()}.{method}({sizes}) raised for {piece.name}: "
                              f"{type(e).__name__}: {e}") from e
+    return bool(out) if method == "applies" else out
 
 
 def _outputs(gm: torch.fx.GraphModule) -> int:
@@ -209,16 +211,12 @@ def _placeholders(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def _shared_run(p: GraphPass, piece: Piece, gm: torch.fx.GraphModule, sizes: VariantSizes,
-                shared: dict[tuple, torch.fx.GraphModule | None] | None) -> torch.fx.GraphModule | None:
+                shared: dict[tuple, torch.fx.GraphModule | None]) -> torch.fx.GraphModule | None:
     """``_run``, once for the variants whose ``rewrite_key`` is equal (a key of None: every time).
     The graph in the key is the input's identity: the variants share it while no earlier pass
     rewrote them apart."""
-    try:
-        key = p.rewrite_key(sizes)
-    except Exception as e:
-        raise ShapewiseError(f"graph pass {p.spec()}.rewrite_key({sizes}) raised for {piece.name}: "
-                             f"{type(e).__name__}: {e}") from e
-    if key is None or shared is None:
+    key = _ask(p, "rewrite_key", piece, sizes)
+    if key is None:
         return _run(p, piece, gm, sizes)
     memo = (id(p), id(gm), key)  # both alive for the whole rewrite_program call
     if memo not in shared:

@@ -100,6 +100,20 @@ def test_variants_whose_rewrite_key_is_equal_are_rewritten_once_and_share_the_gr
         assert_same(runnable(*graph_args(gm, x))[0], f(x), f"n={n}")
 
 
+@dataclass(frozen=True)
+class BadKey(GateRelu):
+    name: ClassVar[str] = "bad_key"
+
+    def rewrite_key(self, sizes):
+        raise KeyError("seq")
+
+
+def test_a_rewrite_key_that_raises_is_an_error_naming_the_pass_and_piece():
+    gm = dynamo_graph(f, torch.randn(4, 3))
+    with pytest.raises(sw.ShapewiseError, match=r"bad_key.*\.rewrite_key\(.*\) raised for .*KeyError"):
+        sw.Pipeline([sw.Concretize(sizes=[2]), BadKey()])(gm)
+
+
 def test_a_graph_pass_needs_concretize_and_runs_it_on_demand():
     gm = dynamo_graph(f, torch.randn(4, 3))
     out = sw.Pipeline([sw.Concretize(sizes=[2]), GateRelu()])(gm)
