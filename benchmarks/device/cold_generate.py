@@ -19,6 +19,7 @@ and whether its calls were direct); ``--profile`` adds a cProfile of each warm s
 (``warm_profile_whole.txt``, ``warm_profile_pieces.txt``).
 
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,4,4/0  # CPUs kept, or not
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 
@@ -109,6 +110,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             per_token.append((time.perf_counter() - t) / 32)
     rows = list(fast.report())
     from shapewise.library.kernels.gemv import tuning_stats  # DecodeGemv's tuning in this start (compile_s, timing_s)
+    from shapewise.lower import placement
 
     sources: dict[str, int] = {}
     for r in rows:
@@ -121,13 +123,19 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
             "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
             "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3), "direct_info": fast.direct_info,
-            "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats()}
+            "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats(),
+            # where the workers ran: their CPUs (None: every CPU) and Inductor compile threads each
+            "worker_cpus": placement.worker_cpus() if workers > 1 else None,
+            "worker_compile_threads": placement.worker_compile_threads(workers) if workers > 1 else None,
+            "cpu0_core": sorted(placement._core_of(0))}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--workers", default="1,6")
+    ap.add_argument("--workers", default="1,4",
+                    help="compile_workers per start, in order; W/R: with SHAPEWISE_WORKER_RESERVE=R (the CPUs kept "
+                         "for the session; 0: the workers on every CPU)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=200)
     ap.add_argument("--child", type=int, default=None)
@@ -156,10 +164,14 @@ def main() -> None:
             "prompt_sizes": SIZES}
     results = []
     for _ in range(args.repeats):
-        for w in [int(x) for x in args.workers.split(",")]:
+        for entry in args.workers.split(","):
+            w, _, reserve = entry.partition("/")
             with tempfile.TemporaryDirectory() as d:
                 env = _cache_env(d)
-                row = _run_child(args, env, w, False)
+                if reserve:  # the CPUs kept for the session (0: the workers on every CPU, as before 2026-12-07)
+                    env["SHAPEWISE_WORKER_RESERVE"] = reserve
+                row = _run_child(args, env, int(w), False)
+                row["worker_reserve"] = reserve or "auto"
                 results.append(row)
                 # written after every child: a run its deadline cuts short keeps what it measured
                 (out / "cold_generate.json").write_text(json.dumps({**head, "rows": results}, indent=1))

@@ -47,14 +47,13 @@ from typing import Any
 import torch
 
 from shapewise import _compat
-from shapewise.errors import ConfigError
+from shapewise.lower.placement import CPUS_ENV, default_workers, resolve_workers, worker_compile_threads, worker_cpus
 
 __all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes", "warm_up",
-           "worker_compile_threads"]
+           "worker_compile_threads", "worker_cpus"]
 
 log = logging.getLogger("shapewise")
 
-MAX_AUTO_WORKERS = 4
 # A graph whose pickle is larger than this holds tensors (constants, weights): compiled here.
 MAX_TASK_BYTES = 64 << 20
 # A worker's scheduling priority below the session's (``os.nice``): the session's own compile is the
@@ -65,60 +64,6 @@ WORKER_NICENESS = 10
 # How long a session waits to hear from a worker whose artifact it loaded (to report it as the
 # worker's); it wrote the file and reports at once, so this is only a bound.
 OUTCOME_WAIT_S = 10.0
-
-
-def _cpus() -> int:
-    """The CPUs this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def _share() -> int:
-    """This process's share of its CPUs: shared with the other processes of a ``torchrun`` on this
-    host (its ``LOCAL_WORLD_SIZE``), at least 1."""
-    try:
-        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local = 1
-    return max(1, _cpus() // local)
-
-
-def default_workers() -> int:
-    """Worker processes for ``compile_workers="auto"``: a quarter of the CPUs this process may use
-    (each worker's Inductor compiles Triton kernels on threads of its own, and the session compiles
-    beside them), shared with the other processes of a ``torchrun`` on this host (its
-    ``LOCAL_WORLD_SIZE``), at most ``MAX_AUTO_WORKERS``; 1 (none) below 8. On the H200 machine's 16
-    CPUs (2026-12-06, the 1B ``compile_generate``, first ``generate()`` / every variant ready, of a
-    serial start of 71.9-79.5 s): 2 workers 35.4 / 39.4 s, 4 workers 37.4 / 37.9 s, 6 workers 45.1 /
-    45.6 s: six starve the session's own compile (until then "auto" gave 8: half the CPUs)."""
-    cpus = _share()
-    return 1 if cpus < 8 else min(MAX_AUTO_WORKERS, cpus // 4)
-
-
-def worker_compile_threads(workers: int) -> int:
-    """Inductor's ``compile_threads`` in each of ``workers`` workers: this process's CPUs (``_share``)
-    shared out among them (at least 1). Each would otherwise take the session's (Inductor's default: one per CPU, each a
-    process of its own under its subprocess pool), so N workers would start N times as many compile
-    processes as there are CPUs (on the H200's 16-CPU machine, 6 workers: 96)."""
-    return max(1, _share() // max(1, workers))
-
-
-#: What ``compile_workers="auto"`` (the default) means where it is set: a number of processes (1: none,
-#: a switch for a whole job, e.g. a test suite or a machine shared with other work), or "auto".
-WORKERS_ENV = "SHAPEWISE_COMPILE_WORKERS"
-
-
-def resolve_workers(option: Any) -> int:
-    """``compile_workers`` as a number of processes: ``"auto"`` is ``SHAPEWISE_COMPILE_WORKERS``
-    where that is set, else ``default_workers()``."""
-    if option != "auto":
-        return int(option)
-    env = os.environ.get(WORKERS_ENV, "").strip()
-    if env in ("", "auto"):
-        return default_workers()
-    if not (env.isascii() and env.isdecimal()) or int(env) < 1:
-        raise ConfigError(f"{WORKERS_ENV}={env!r}: expected a number of compile worker processes >= 1 "
-                          f"(1: none, compile in this process) or 'auto' (from the CPUs)")
-    return int(env)
 
 
 @dataclass(frozen=True)
@@ -342,6 +287,9 @@ class _Processes:
         self.setup = setup
         self.queue: queue.Queue = queue.Queue()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        cpus = worker_cpus()
+        if cpus:
+            env[CPUS_ENV] = ",".join(map(str, cpus))
         self.procs = [subprocess.Popen([sys.executable, "-m", "shapewise.lower.worker_process"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env) for _ in range(workers)]
         self.threads = [threading.Thread(target=self._feed, args=(p,), daemon=True, name="shapewise-compile-worker")
