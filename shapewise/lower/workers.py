@@ -18,8 +18,9 @@ compile with ``wait_for_workers``), is ``shapewise.lower.parallel``'s: each such
 ``compile_or_load`` that loads what a worker wrote, waits on the lock of one a worker is compiling,
 or compiles one no worker has started. So a worker that fails (a graph that does not pickle, a
 custom op its process does not know) costs nothing but its time: the session compiles that key
-itself. Inductor's own compile threads keep working inside each worker: the CPUs shared out among
-the workers (``worker_compile_threads``), not the session's count in each.
+itself. Inductor's own compile threads keep working inside each worker: the workers' CPUs shared out
+among them (``worker_compile_threads``), not the session's count in each. How many workers, and the
+CPUs they are confined to (whole cores left to the session), are ``shapewise.lower.placement``'s.
 
 Only with a disk cache (``cache`` not False): the cache is how artifacts come back.
 """

@@ -118,9 +118,8 @@ def test_pending_variants_load_under_the_traces_grad_mode_by_wait_and_wait_for_w
 def test_the_default_starts_workers_with_the_trace_and_deferred_compiles_start_none(tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr(workers, "_processes", lambda n, root: started.append(n))
-    monkeypatch.setattr(workers, "_cpus", lambda: 16)
+    _machine(monkeypatch, 16)
     monkeypatch.delenv("SHAPEWISE_COMPILE_WORKERS", raising=False)
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     workers.warm_up({"cache": tmp_path})  # compile_workers left out: the default, "auto"
     workers.warm_up({"cache": tmp_path, "compile": "lazy", "compile_workers": 4})  # never hands work out
     workers.warm_up({"cache": False, "compile_workers": 4})  # no disk cache: no way back for artifacts
@@ -283,7 +282,7 @@ def test_the_option_is_checked():
             sw.Lower(compile_workers=bad)
     assert sw.Lower(compile_workers="auto").compile_workers == "auto"
     assert sw.Lower().compile_workers == "auto"  # the default: from the machine
-    assert 1 <= workers.default_workers() <= workers.MAX_AUTO_WORKERS
+    assert 1 <= placement.default_workers() <= placement.MAX_AUTO_WORKERS
 
 
 def _machine(monkeypatch, cpus: int, smt: bool = False) -> None:
