@@ -54,6 +54,11 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     import shapewise as sw
     from benchmarks.bench_generate import LLAMA_1B, TINY, llama
 
+    if os.environ.get("BENCH_WORKER_THREADS"):  # --workers W/R/T: Inductor's compile threads in each worker
+        import shapewise.lower.workers as worker_module
+
+        worker_module.worker_compile_threads = lambda n: int(os.environ["BENCH_WORKER_THREADS"])
+
     device = "cpu" if cpu_layers else "cuda"
     if cpu_layers:
         model = llama(TINY, "cpu", torch.float32, cpu_layers)
@@ -111,6 +116,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     rows = list(fast.report())
     from shapewise.library.kernels.gemv import tuning_stats  # DecodeGemv's tuning in this start (compile_s, timing_s)
     from shapewise.lower import placement
+    from shapewise.lower import workers as worker_module
 
     sources: dict[str, int] = {}
     for r in rows:
@@ -126,7 +132,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats(),
             # where the workers ran: their CPUs (None: every CPU) and Inductor compile threads each
             "worker_cpus": placement.worker_cpus() if workers > 1 else None,
-            "worker_compile_threads": placement.worker_compile_threads(workers) if workers > 1 else None,
+            "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
             "cpu0_core": sorted(placement._core_of(0))}
 
 
@@ -134,8 +140,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--workers", default="1,4",
-                    help="compile_workers per start, in order; W/R: with SHAPEWISE_WORKER_RESERVE=R (the CPUs kept "
-                         "for the session; 0: the workers on every CPU)")
+                    help="compile_workers per start, in order; W/R/T: with SHAPEWISE_WORKER_RESERVE=R (the CPUs kept "
+                         "for the session; 0: the workers on every CPU) and T Inductor compile threads a worker")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=200)
     ap.add_argument("--child", type=int, default=None)
@@ -165,13 +171,15 @@ def main() -> None:
     results = []
     for _ in range(args.repeats):
         for entry in args.workers.split(","):
-            w, _, reserve = entry.partition("/")
+            w, reserve, threads = (entry.split("/") + ["", ""])[:3]
             with tempfile.TemporaryDirectory() as d:
                 env = _cache_env(d)
                 if reserve:  # the CPUs kept for the session (0: the workers on every CPU, as before 2026-12-07)
                     env["SHAPEWISE_WORKER_RESERVE"] = reserve
+                if threads:
+                    env["BENCH_WORKER_THREADS"] = threads
                 row = _run_child(args, env, int(w), False)
-                row["worker_reserve"] = reserve or "auto"
+                row["worker_reserve"], row["worker_threads"] = reserve or "auto", threads or "auto"
                 results.append(row)
                 # written after every child: a run its deadline cuts short keeps what it measured
                 (out / "cold_generate.json").write_text(json.dumps({**head, "rows": results}, indent=1))
