@@ -364,6 +364,7 @@ def test_calls_of_ready_sizes_go_on_while_another_thread_compiles_a_pending_one(
     # pytest, so this part cannot show the fix.) wait(timeout=0) polled meanwhile starts no second
     # loader thread (it started one per call before).
     import threading
+    import time
 
     monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", InlinePool)
     InlinePool.made, InlinePool.fail = [], set(range(64))
@@ -379,6 +380,7 @@ def test_calls_of_ready_sizes_go_on_while_another_thread_compiles_a_pending_one(
     while waiter.is_alive() or calls < 3:
         assert_same(fast(x).detach(), want, "n=1 during the compiles")
         calls += 1
+        time.sleep(0.002)  # the compile thread gets the GIL too (without: 53 s on CI's two busy cores, 6 s alone)
         if calls % 16 == 0:
             fast.wait(timeout=0)
             loaders = [t for t in threading.enumerate() if t.name == "shapewise-pending"]
