@@ -67,8 +67,9 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     ids = torch.randint(0, 200, (1, 64), device=device)
     with torch.no_grad():
         model.generation_config.disable_compile = True
-        want = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                              cache_implementation="static")
+        eager = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                               cache_implementation="static", output_logits=True, return_dict_in_generate=True)
+    want = eager.sequences
     setup_s = time.perf_counter() - t0
     prof = None
     if profile:
@@ -127,6 +128,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             # [piece, binding, source, seconds in the session: a compile, a load, or the wait for a worker's artifact]
             "variants": [[r["piece"], r["key"], r["source"], round(r["seconds"], 2)] for r in rows],
             f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
+            "token_check": token_check(got[0, ids.shape[1]:], want[0, ids.shape[1]:], eager.logits),
             "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
             "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3), "direct_info": fast.direct_info,
             "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats(),
@@ -134,6 +136,22 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "worker_cpus": placement.worker_cpus() if workers > 1 else None,
             "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
             "cpu0_core": sorted(placement._core_of(0))}
+
+
+def token_check(got, want, logits) -> str:
+    """The compiled generate()'s new tokens against eager's: "equal", or at the first step that differs,
+    the eager logit of the token the compiled model chose below eager's best: a near-tie (bf16 greedy
+    decoding of random weights flips on those: within 1% of the logits' scale + 0.02, the size of the
+    compiled model's bf16 logit error) or a wrong token."""
+    differ = (got != want).nonzero()
+    if not len(differ):
+        return "equal"
+    j = int(differ[0])
+    row = logits[j][0].float()
+    gap, scale = float(row.max() - row[got[j]]), float(row.abs().max())
+    verdict = "near-tie" if gap <= 0.01 * scale + 0.02 else "WRONG"
+    return f"{verdict} at new token {j}: eager's logit of the compiled token {gap:.4f} below its best " \
+           f"(scale {scale:.2f})"
 
 
 def main() -> None:
