@@ -19,7 +19,7 @@ and whether its calls were direct); ``--profile`` adds a cProfile of each warm s
 (``warm_profile_whole.txt``, ``warm_profile_pieces.txt``).
 
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
-    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,4,4/0  # CPUs kept, or not
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,4,2,4/1  # 4/1: 1 thread a worker
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 
@@ -54,7 +54,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     import shapewise as sw
     from benchmarks.bench_generate import LLAMA_1B, TINY, llama
 
-    if os.environ.get("BENCH_WORKER_THREADS"):  # --workers W/R/T: Inductor's compile threads in each worker
+    if os.environ.get("BENCH_WORKER_THREADS"):  # --workers W/T: Inductor's compile threads in each worker
         import shapewise.lower.workers as worker_module
 
         worker_module.worker_compile_threads = lambda n: int(os.environ["BENCH_WORKER_THREADS"])
@@ -116,7 +116,6 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             per_token.append((time.perf_counter() - t) / 32)
     rows = list(fast.report())
     from shapewise.library.kernels.gemv import tuning_stats  # DecodeGemv's tuning in this start (compile_s, timing_s)
-    from shapewise.lower import placement
     from shapewise.lower import workers as worker_module
 
     sources: dict[str, int] = {}
@@ -132,10 +131,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
             "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3), "direct_info": fast.direct_info,
             "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats(),
-            # where the workers ran: their CPUs (None: every CPU) and Inductor compile threads each
-            "worker_cpus": placement.worker_cpus() if workers > 1 else None,
-            "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
-            "cpu0_core": sorted(placement._core_of(0))}
+            "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None}
 
 
 def token_check(got, want, logits) -> str:
@@ -158,8 +154,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--workers", default="1,4",
-                    help="compile_workers per start, in order; W/R/T: with SHAPEWISE_WORKER_RESERVE=R (the CPUs kept "
-                         "for the session; 0: the workers on every CPU) and T Inductor compile threads a worker")
+                    help="compile_workers per start, in order; W/T: T Inductor compile threads in each worker (else "
+                         "shapewise's share of the CPUs)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=200)
     ap.add_argument("--child", type=int, default=None)
@@ -189,15 +185,13 @@ def main() -> None:
     results = []
     for _ in range(args.repeats):
         for entry in args.workers.split(","):
-            w, reserve, threads = (entry.split("/") + ["", ""])[:3]
+            w, _, threads = entry.partition("/")
             with tempfile.TemporaryDirectory() as d:
                 env = _cache_env(d)
-                if reserve:  # the CPUs kept for the session (0: the workers on every CPU, as before 2026-12-07)
-                    env["SHAPEWISE_WORKER_RESERVE"] = reserve
                 if threads:
                     env["BENCH_WORKER_THREADS"] = threads
                 row = _run_child(args, env, int(w), False)
-                row["worker_reserve"], row["worker_threads"] = reserve or "auto", threads or "auto"
+                row["worker_threads"] = threads or "auto"
                 results.append(row)
                 # written after every child: a run its deadline cuts short keeps what it measured
                 (out / "cold_generate.json").write_text(json.dumps({**head, "rows": results}, indent=1))

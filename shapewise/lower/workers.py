@@ -18,9 +18,9 @@ compile with ``wait_for_workers``), is ``shapewise.lower.parallel``'s: each such
 ``compile_or_load`` that loads what a worker wrote, waits on the lock of one a worker is compiling,
 or compiles one no worker has started. So a worker that fails (a graph that does not pickle, a
 custom op its process does not know) costs nothing but its time: the session compiles that key
-itself. Inductor's own compile threads keep working inside each worker: the workers' CPUs shared out
-among them (``worker_compile_threads``), not the session's count in each. How many workers, and the
-CPUs they are confined to (whole cores left to the session), are ``shapewise.lower.placement``'s.
+itself. Inductor's own compile threads keep working inside each worker: the CPUs shared out among
+the workers (``worker_compile_threads``), not the session's count in each. How many workers:
+``shapewise.lower.placement``.
 
 Only with a disk cache (``cache`` not False): the cache is how artifacts come back.
 """
@@ -48,10 +48,10 @@ from typing import Any
 import torch
 
 from shapewise import _compat
-from shapewise.lower.placement import CPUS_ENV, default_workers, resolve_workers, worker_compile_threads, worker_cpus
+from shapewise.lower.placement import default_workers, resolve_workers, worker_compile_threads
 
 __all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes", "warm_up",
-           "worker_compile_threads", "worker_cpus"]
+           "worker_compile_threads"]
 
 log = logging.getLogger("shapewise")
 
@@ -288,9 +288,6 @@ class _Processes:
         self.setup = setup
         self.queue: queue.Queue = queue.Queue()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        cpus = worker_cpus()
-        if cpus:
-            env[CPUS_ENV] = ",".join(map(str, cpus))
         self.procs = [subprocess.Popen([sys.executable, "-m", "shapewise.lower.worker_process"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env) for _ in range(workers)]
         self.threads = [threading.Thread(target=self._feed, args=(p,), daemon=True, name="shapewise-compile-worker")

@@ -285,14 +285,10 @@ def test_the_option_is_checked():
     assert 1 <= placement.default_workers() <= placement.MAX_AUTO_WORKERS
 
 
-def _machine(monkeypatch, cpus: int, smt: bool = False) -> None:
-    """This process as if it could use CPUs 0..cpus-1 (with ``smt``: CPU i and i + cpus/2 one core's)."""
-    monkeypatch.setattr(placement, "_affinity", lambda: list(range(cpus)))
-    half = cpus // 2
-    monkeypatch.setattr(placement, "_core_of", lambda c: frozenset({c % half, c % half + half}) if smt else
-                        frozenset({c}))
+def _machine(monkeypatch, cpus: int) -> None:
+    """This process as if it could use ``cpus`` CPUs, alone on its host."""
+    monkeypatch.setattr(placement, "_cpus", lambda: cpus)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv(placement.RESERVE_ENV, raising=False)
 
 
 def test_auto_is_the_environments_number_where_set_and_a_bad_one_is_refused(monkeypatch):
@@ -340,9 +336,6 @@ def test_workers_share_the_cpus_out_for_inductors_compile_threads(tmp_path, monk
     from torch._inductor import config as inductor_config
 
     _machine(monkeypatch, 16)
-    # The workers' 12 CPUs (4 kept for the session) shared out; on every CPU where none are kept.
-    assert [workers.worker_compile_threads(n) for n in (1, 2, 4, 6, 16)] == [12, 6, 3, 2, 1]
-    monkeypatch.setenv(placement.RESERVE_ENV, "0")
     assert [workers.worker_compile_threads(n) for n in (1, 2, 6, 16, 32)] == [16, 8, 2, 1, 1]
     config, fingerprint = inductor_config.save_config(), sw._compat.inductor_config_fingerprint()
     monkeypatch.setattr(workers, "_STATE", {})
@@ -440,55 +433,3 @@ def test_compile_generate_on_a_transformers_model_leaves_other_prompt_sizes_to_t
     assert {(r["trace"], r["key"]): r["source"] for r in fast.report()}[("1", "{seq=4}")] == "worker"
     assert fast.wait(timeout=0) and fast.traces == 2
 
-
-def test_workers_are_confined_to_the_cpus_but_whole_cores_kept_for_the_session(monkeypatch):
-    _machine(monkeypatch, 16)
-    assert placement.worker_cpus() == list(range(4, 16))  # a quarter kept (the first cores)
-    _machine(monkeypatch, 16, smt=True)  # CPU i and i + 8 one core's: whole cores kept, never half of one
-    assert placement.worker_cpus() == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]
-    monkeypatch.setenv(placement.RESERVE_ENV, "3")  # rounded up to whole cores
-    assert placement.worker_cpus() == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14, 15]
-    monkeypatch.setenv(placement.RESERVE_ENV, "0")  # the switch: every CPU theirs, as before
-    assert placement.worker_cpus() is None
-    monkeypatch.setenv(placement.RESERVE_ENV, "15")  # nothing sensible left for them: not confined
-    assert placement.worker_cpus() is None
-    for bad in ("half", "-1"):
-        monkeypatch.setenv(placement.RESERVE_ENV, bad)
-        with pytest.raises(sw.ConfigError, match="SHAPEWISE_WORKER_RESERVE=.*expected a number of CPUs"):
-            placement.worker_cpus()
-    _machine(monkeypatch, 6)  # below 8 CPUs (no workers by default): never confined
-    assert placement.worker_cpus() is None
-    _machine(monkeypatch, 16)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's ranks would all keep the same cores
-    assert placement.worker_cpus() is None
-
-
-@pytest.mark.parametrize("text, want", [("0-1", {0, 1}), ("3,11", {3, 11}), ("0-2,8-9\n", {0, 1, 2, 8, 9}),
-                                        ("5", {5}), ("", set())])
-def test_a_linux_cpu_list_is_read(text, want):
-    assert placement._cpu_list(text) == want
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="the platform cannot confine a process")
-def test_a_worker_process_confines_itself_before_it_imports_anything(tmp_path):
-    import subprocess
-    import sys
-    import time
-
-    cpu = min(os.sched_getaffinity(0))
-    env = {**os.environ, placement.CPUS_ENV: str(cpu), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "shapewise.lower.worker_process"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    try:
-        allowed = None
-        for _ in range(200):  # it confines itself first thing, then imports torch and waits for its setup
-            status = open(f"/proc/{proc.pid}/status").read()
-            allowed = next(line.split(":")[1].strip() for line in status.splitlines()
-                           if line.startswith("Cpus_allowed_list"))
-            if allowed == str(cpu):
-                break
-            time.sleep(0.05)
-        assert allowed == str(cpu)
-    finally:
-        proc.kill()
-        proc.wait()
