@@ -4,6 +4,7 @@ artifacts the on-disk cache stores (bytes, kernel binaries, build fingerprints).
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ __all__ = [
     "build_fingerprint", "compile_state", "compile_state_as", "compiled_backward",
     "compiled_source", "eager_backward", "inductor_config_fingerprint", "inductor_config_kept", "inference_entry",
     "install_kernel_binaries", "kernel_binaries", "load_artifact", "no_inductor_caches", "post_grad_pass",
-    "set_grad_enabled", "standalone_compile", "warm_compile_workers",
+    "set_grad_enabled", "specialise_region_sizes", "standalone_compile", "warm_compile_workers",
 ]
 
 
@@ -410,3 +411,49 @@ def install_kernel_binaries(files: Sequence[tuple[str, bytes]]) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
     return written
+
+
+def specialise_region_sizes(gm: torch.fx.GraphModule, args: Sequence[Any]) -> torch.fx.GraphModule:
+    """``gm`` (owned by the caller) for a static compile from ``args``: each region of
+    ``torch.compiler.nested_compile_region`` (an ``invoke_subgraph`` call) that takes one of ``gm``'s
+    int inputs (a size Dynamo traced symbolic) gets a copy of its subgraph with that int written in, and
+    the call loses that operand. Inductor's compile from static example inputs otherwise passes the int
+    to the region as a literal and then fails on it ("Expected Node with 'val' in meta", torch 2.11 and
+    2.13). Calls of one region with the same ints share one copy, so it still compiles once."""
+    hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    ints = {p: a for p, a in zip(placeholders, args) if isinstance(a, int) and not isinstance(a, bool)}
+    if hop is None or not ints:
+        return gm
+    made: dict[tuple, tuple[torch.fx.Node, str]] = {}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not hop or len(node.args) < 2:
+            continue
+        sub, ident, *operands = node.args
+        fixed = {i: ints[o] for i, o in enumerate(operands) if isinstance(o, torch.fx.Node) and o in ints}
+        if not fixed or not (isinstance(sub, torch.fx.Node) and sub.op == "get_attr"):
+            continue
+        key = (sub.target, tuple(sorted(fixed.items())))
+        if key not in made:
+            region = getattr(gm, sub.target)
+            copied = torch.fx.GraphModule(region, copy.deepcopy(region.graph), class_name=type(region).__name__)
+            inputs = [n for n in copied.graph.nodes if n.op == "placeholder"]
+            for i, value in fixed.items():
+                for user in list(inputs[i].users):
+                    user.args = torch.fx.node.map_arg(user.args, lambda a, p=inputs[i], v=value: v if a is p else a)
+                    user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a, p=inputs[i], v=value: v if a is p else a)
+                copied.graph.erase_node(inputs[i])
+            copied.recompile()
+            suffix = "_at_" + "_".join(f"{i}x{v}" for i, v in sorted(fixed.items()))
+            name = f"{sub.target}{suffix}"
+            setattr(gm, name, copied)
+            with gm.graph.inserting_before(node):
+                made[key] = (gm.graph.get_attr(name), f"{ident}{suffix}")
+        attr, new_ident = made[key]
+        node.args = (attr, new_ident, *(o for i, o in enumerate(operands) if i not in fixed))
+        if not sub.users:
+            gm.graph.erase_node(sub)
+    if made:
+        gm.graph.lint()
+        gm.recompile()
+    return gm

@@ -75,7 +75,8 @@ def compile_static(gm: torch.fx.GraphModule, args: Sequence[Any], options: Mappi
     context: what ``lower_variant`` does for a static variant, and a compile worker
     (``shapewise.lower.workers``) for the session."""
     with _compat.fresh_tracing_context(None), _compat.no_zero_one_specialisation(False):
-        return _compat.standalone_compile(_copy_gm(gm, True), list(args), static=True, options=dict(options))
+        return _compat.standalone_compile(_compat.specialise_region_sizes(_copy_gm(gm, True), args), list(args),
+                                          static=True, options=dict(options))
 
 
 def lower_variant(piece: Piece, variant: Variant, backend: Any, options: Mapping[str, Any],

@@ -5,6 +5,8 @@ it only compiles part by part."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -139,3 +141,56 @@ def test_a_range_that_would_take_too_many_parts_is_refused():
     fast = sw.compile(MLP(), ranges=[(16, 40)], backend=backend)
     with pytest.raises(sw.CompileError, match="does not hold over the whole range"):
         fast(torch.randn(20, 32))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _Regions(torch.nn.Module):
+    """Three calls of one ``nested_compile_region``: Dynamo traces it once (an ``invoke_subgraph``
+    call each) and hands it the batch size, a symbol in the trace."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.inductor
+def test_nested_compile_regions_compile_static_at_each_size():
+    # Inductor's compile from static example inputs passed the traced size to the region as a literal
+    # and failed on it ("Expected Node with 'val' in meta"): every static variant of a model using
+    # torch.compiler.nested_compile_region (a transformers MLP wrapped in one, through compile_generate,
+    # failed the same way). The range compiles symbolic and always worked.
+    torch.manual_seed(0)
+    model = _Regions().eval()
+    fast = sw.compile(model, sizes=[2, 4], ranges=[(5, 16)], cache=False, progress=False)
+    with torch.no_grad():
+        for n in (2, 4, 7):
+            x = torch.randn(n, 16)
+            assert_same(fast(x), model(x), f"n={n}")
+    assert fast.traces == 1
+    assert {r["key"]: r["source"] for r in fast.report()} == {"{n=2}": "compiled", "{n=4}": "compiled",
+                                                              "{n=5..16}": "compiled"}
+    # The region's copy with the size written in is shared by its three calls: one subgraph a size.
+    traced = fast.program.pieces[0].gm
+    inputs = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    sizes = [isinstance(n.meta.get("val", n.meta.get("example_value")), torch.SymInt) for n in inputs]
+    assert sizes.count(True) == 1
+    gm = sw._compat.specialise_region_sizes(torch.fx.GraphModule(traced, copy.deepcopy(traced.graph)),
+                                            [4 if is_size else None for is_size in sizes])
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 3 and len({n.args[0].target for n in calls}) == 1
+    assert not any(inputs[sizes.index(True)].name == a.name for n in calls for a in n.args[2:]
+                   if isinstance(a, torch.fx.Node))
