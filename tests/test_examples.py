@@ -85,3 +85,15 @@ def test_graph_passes_example_rewrites_decode_sizes_only(capsys):
     assert tanh == {"{n=1}", "{n=2}", "{n=4}"}
     assert sum(result["inductor_replacements"]) >= 1  # Inductor's matcher found x * 2 in the last piece
     assert "tanh_gelu{max_tokens=4}, twice_is_add" in capsys.readouterr().out
+
+
+def test_cold_generates_token_check_tells_a_tie_from_a_wrong_token():
+    # The device script's check of bf16 tokens: random weights in bf16 make near-ties that greedy decoding
+    # may break either way, and a flag that only said "differ" could not tell those from a bug.
+    from benchmarks.device.cold_generate import token_check
+
+    logits = (torch.tensor([[1.0, 3.0, 2.99]]), torch.tensor([[0.0, 5.0, 1.0]]))
+    assert token_check(torch.tensor([1, 1]), torch.tensor([1, 1]), logits) == "equal"
+    assert token_check(torch.tensor([2, 1]), torch.tensor([1, 1]), logits).startswith("near-tie at new token 0")
+    assert token_check(torch.tensor([0, 1]), torch.tensor([1, 1]), logits).startswith("WRONG at new token 0")
+    assert token_check(torch.tensor([1, 2]), torch.tensor([1, 1]), logits).startswith("WRONG at new token 1")
