@@ -418,8 +418,9 @@ def specialise_region_sizes(gm: torch.fx.GraphModule, args: Sequence[Any]) -> to
     ``torch.compiler.nested_compile_region`` (an ``invoke_subgraph`` call) that takes one of ``gm``'s
     int inputs (a size Dynamo traced symbolic) gets a copy of its subgraph with that int written in, and
     the call loses that operand. Inductor's compile from static example inputs otherwise passes the int
-    to the region as a literal and then fails on it ("Expected Node with 'val' in meta", torch 2.11 and
-    2.13). Calls of one region with the same ints share one copy, so it still compiles once."""
+    to the region as a literal and then fails on it ("Expected Node with 'val' in meta"; seen on torch
+    2.13, not tried on 2.11). Calls of one region with the same ints share one copy, so it still compiles
+    once."""
     hop = getattr(torch.ops.higher_order, "invoke_subgraph", None)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ints = {p: a for p, a in zip(placeholders, args) if isinstance(a, int) and not isinstance(a, bool)}
@@ -445,7 +446,7 @@ def specialise_region_sizes(gm: torch.fx.GraphModule, args: Sequence[Any]) -> to
                 copied.graph.erase_node(inputs[i])
             copied.recompile()
             suffix = "_at_" + "_".join(f"{i}x{v}" for i, v in sorted(fixed.items()))
-            name = f"{sub.target}{suffix}"
+            name = f"{sub.target}{suffix}".replace(".", "_")
             setattr(gm, name, copied)
             with gm.graph.inserting_before(node):
                 made[key] = (gm.graph.get_attr(name), f"{ident}{suffix}")
