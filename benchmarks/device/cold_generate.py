@@ -53,10 +53,9 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     sys.path.insert(0, str(ROOT))
     import shapewise as sw
     from benchmarks.bench_generate import LLAMA_1B, TINY, llama
+    from shapewise.lower import workers as worker_module
 
     if os.environ.get("BENCH_WORKER_THREADS"):  # --workers W/T: Inductor's compile threads in each worker
-        import shapewise.lower.workers as worker_module
-
         worker_module.worker_compile_threads = lambda n: int(os.environ["BENCH_WORKER_THREADS"])
 
     device = "cpu" if cpu_layers else "cuda"
@@ -116,7 +115,6 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             per_token.append((time.perf_counter() - t) / 32)
     rows = list(fast.report())
     from shapewise.library.kernels.gemv import tuning_stats  # DecodeGemv's tuning in this start (compile_s, timing_s)
-    from shapewise.lower import workers as worker_module
 
     sources: dict[str, int] = {}
     for r in rows:

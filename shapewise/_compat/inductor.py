@@ -440,9 +440,12 @@ def specialise_region_sizes(gm: torch.fx.GraphModule, args: Sequence[Any]) -> to
             copied = torch.fx.GraphModule(region, copy.deepcopy(region.graph), class_name=type(region).__name__)
             inputs = [n for n in copied.graph.nodes if n.op == "placeholder"]
             for i, value in fixed.items():
+                def written_in(a: torch.fx.Node, p: torch.fx.Node = inputs[i], v: int = value) -> Any:
+                    return v if a is p else a
+
                 for user in list(inputs[i].users):
-                    user.args = torch.fx.node.map_arg(user.args, lambda a, p=inputs[i], v=value: v if a is p else a)
-                    user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a, p=inputs[i], v=value: v if a is p else a)
+                    user.args, user.kwargs = (torch.fx.node.map_arg(user.args, written_in),
+                                              torch.fx.node.map_arg(user.kwargs, written_in))
                 copied.graph.erase_node(inputs[i])
             copied.recompile()
             suffix = "_at_" + "_".join(f"{i}x{v}" for i, v in sorted(fixed.items()))

@@ -48,10 +48,9 @@ from typing import Any
 import torch
 
 from shapewise import _compat
-from shapewise.lower.placement import default_workers, resolve_workers, worker_compile_threads
+from shapewise.lower.placement import resolve_workers, worker_compile_threads
 
-__all__ = ["WorkerPool", "compile_in_worker", "default_workers", "resolve_workers", "serve", "task_bytes", "warm_up",
-           "worker_compile_threads"]
+__all__ = ["WorkerPool", "compile_in_worker", "serve", "task_bytes", "warm_up"]
 
 log = logging.getLogger("shapewise")
 

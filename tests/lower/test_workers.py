@@ -295,27 +295,27 @@ def test_auto_is_the_environments_number_where_set_and_a_bad_one_is_refused(monk
     _machine(monkeypatch, 16)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", "3")
-    assert workers.resolve_workers("auto") == 3 and workers.resolve_workers(2) == 2  # a number given wins
+    assert placement.resolve_workers("auto") == 3 and placement.resolve_workers(2) == 2  # a number given wins
     monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", "auto")
-    assert workers.resolve_workers("auto") == 4
+    assert placement.resolve_workers("auto") == 4
     monkeypatch.delenv("SHAPEWISE_COMPILE_WORKERS")
-    assert workers.resolve_workers("auto") == 4
+    assert placement.resolve_workers("auto") == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks of this host share the CPUs
-    assert workers.resolve_workers("auto") == 1
+    assert placement.resolve_workers("auto") == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert workers.resolve_workers("auto") == 2
-    assert workers.worker_compile_threads(2) == 4  # the ranks' share of the CPUs, then the workers'
+    assert placement.resolve_workers("auto") == 2
+    assert placement.worker_compile_threads(2) == 4  # the ranks' share of the CPUs, then the workers'
     for bad in ("0", "many", "-2", "\u00b2"):
         monkeypatch.setenv("SHAPEWISE_COMPILE_WORKERS", bad)
         with pytest.raises(sw.ConfigError, match="SHAPEWISE_COMPILE_WORKERS=.*expected a number"):
-            workers.resolve_workers("auto")
+            placement.resolve_workers("auto")
 
 
 @pytest.mark.parametrize("cpus, want", [(2, 1), (7, 1), (8, 2), (16, 4), (64, 4)])
 def test_auto_takes_a_quarter_of_the_cpus_at_most_four(monkeypatch, cpus, want):
     # (measured on the H200 machine's 16 CPUs: 2-4 workers beat 6, which starved the session's compile)
     _machine(monkeypatch, cpus)
-    assert workers.default_workers() == want
+    assert placement.default_workers() == want
 
 
 def test_an_outcome_never_waits_for_a_task_no_worker_has_started():
@@ -336,7 +336,7 @@ def test_workers_share_the_cpus_out_for_inductors_compile_threads(tmp_path, monk
     from torch._inductor import config as inductor_config
 
     _machine(monkeypatch, 16)
-    assert [workers.worker_compile_threads(n) for n in (1, 2, 6, 16, 32)] == [16, 8, 2, 1, 1]
+    assert [placement.worker_compile_threads(n) for n in (1, 2, 6, 16, 32)] == [16, 8, 2, 1, 1]
     config, fingerprint = inductor_config.save_config(), sw._compat.inductor_config_fingerprint()
     monkeypatch.setattr(workers, "_STATE", {})
     # Inductor's own patch restores the setting after (pytest's monkeypatch would delete it on undo:
