@@ -34,8 +34,7 @@ from shapewise.lower.cache import ArtifactCache, resolve_cache
 from shapewise.lower.compile import lower_variant, reads_item_values
 from shapewise.lower.lean import drop_size_asserts, expected_layouts, lean_call, lean_splitting_call
 from shapewise.lower.parallel import PendingVariant, start_workers
-from shapewise.lower.placement import resolve_workers
-from shapewise.lower.workers import WorkerPool
+from shapewise.lower.workers import WorkerPool, resolve_workers  # (placement's, which workers uses too)
 from shapewise.passes.base import Pass, register_pass
 from shapewise.version import __version__
 
