@@ -20,6 +20,7 @@ and whether its calls were direct); ``--profile`` adds a cProfile of each warm s
 
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,4,2,4/1  # 4/1: 1 thread a worker
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,1+sdpa,4+sdpa  # +sdpa: split at attention
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 
@@ -78,6 +79,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
         prof.enable()
     # On the CPU, the programs the GPU's defaults make: full graphs, the projections fused, the input updates batched.
     cpu_as_gpu = dict(splitting_ops=(), fuse_projections=True, batch_updates=True) if cpu_layers else {}
+    if os.environ.get("BENCH_SPLIT"):  # --workers W+sdpa: the graph split at these ops (full graphs: none)
+        cpu_as_gpu["splitting_ops"] = tuple(os.environ["BENCH_SPLIT"].split("+"))
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
                                cudagraphs=False if cpu_layers else "full", compile_workers=workers, progress=False,
@@ -129,7 +132,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
             "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3), "direct_info": fast.direct_info,
             "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats(),
-            "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None}
+            "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
+            "splitting_ops": os.environ.get("BENCH_SPLIT", "default")}
 
 
 def token_check(got, want, logits) -> str:
@@ -153,7 +157,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--workers", default="1,4",
                     help="compile_workers per start, in order; W/T: T Inductor compile threads in each worker (else "
-                         "shapewise's share of the CPUs)")
+                         "shapewise's share of the CPUs); a suffix +op(+op...): splitting_ops=(op, ...), e.g. 1+sdpa")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=200)
     ap.add_argument("--child", type=int, default=None)
@@ -183,11 +187,14 @@ def main() -> None:
     results = []
     for _ in range(args.repeats):
         for entry in args.workers.split(","):
+            entry, _, split = entry.partition("+")
             w, _, threads = entry.partition("/")
             with tempfile.TemporaryDirectory() as d:
                 env = _cache_env(d)
                 if threads:
                     env["BENCH_WORKER_THREADS"] = threads
+                if split:
+                    env["BENCH_SPLIT"] = split
                 row = _run_child(args, env, int(w), False)
                 row["worker_threads"] = threads or "auto"
                 results.append(row)
