@@ -49,6 +49,7 @@ def build_pipeline(
     sizes: Any = (),
     ranges: Any = (),
     splitting_ops: Sequence[Any] = (),
+    whole_traces: Mapping[str, int] | None = None,
     backend: Any = "inductor",
     options: Mapping[str, Any] | None = None,
     static_options: Mapping[str, Any] | None = None,
@@ -69,9 +70,15 @@ def build_pipeline(
     graph_passes: Sequence[Any] = (),
     inductor_passes: Sequence[Any] = (),
 ) -> Pipeline:
-    """The standard pipeline for the given options."""
+    """The standard pipeline for the given options. ``whole_traces`` ({dim name: size}, e.g. {"seq": 1}):
+    a trace that fixes each of these dims at that size (``fixed``: a decode trace) is not split,
+    ``splitting_ops`` split the others."""
+    if whole_traces is not None and not (isinstance(whole_traces, Mapping) and all(
+            isinstance(n, str) and isinstance(v, int) for n, v in whole_traces.items())):
+        raise ConfigError(f"whole_traces must map dim names to sizes (e.g. {{'seq': 1}}), got {whole_traces!r}")
+    whole = bool(whole_traces) and all((fixed or {}).get(n) == v for n, v in whole_traces.items())
     passes: list[Any] = [
-        Split(ops=_op_list(splitting_ops)),
+        Split(ops=() if whole else _op_list(splitting_ops)),
         Concretize(sizes=sizes, ranges=ranges, refused=refused, fixed=dict(fixed or {})),
         *([Rewrite(passes=tuple(graph_passes), inductor_passes=tuple(inductor_passes))]
           if graph_passes or inductor_passes else []),
@@ -91,7 +98,8 @@ def build_pipeline(
     return Pipeline(passes, instruments=instruments)
 
 
-_PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "backend", "options", "static_options", "range_options",
+_PIPELINE_KEYS = {"sizes", "ranges", "splitting_ops", "whole_traces", "backend", "options", "static_options",
+                  "range_options",
                   "on_compile_error", "instruments", "cudagraphs", "capture_sizes", "compile", "cache", "dedupe",
                   "progress", "lean", "compile_workers", "wait_for_workers", "graph_passes",
                   "inductor_passes"}

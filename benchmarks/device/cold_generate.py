@@ -20,7 +20,8 @@ and whether its calls were direct); ``--profile`` adds a cProfile of each warm s
 
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,4,2,4/1  # 4/1: 1 thread a worker
-    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,1+sdpa,4+sdpa  # +sdpa: split at attention
+    PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,1+sdpa,1+sdpa:prefill
+    # +sdpa: split at attention; +sdpa:prefill: the prompt trace split, decode's whole (whole_traces={"seq": 1})
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 
@@ -80,7 +81,10 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     # On the CPU, the programs the GPU's defaults make: full graphs, the projections fused, the input updates batched.
     cpu_as_gpu = dict(splitting_ops=(), fuse_projections=True, batch_updates=True) if cpu_layers else {}
     if os.environ.get("BENCH_SPLIT"):  # --workers W+sdpa: the graph split at these ops (full graphs: none)
-        cpu_as_gpu["splitting_ops"] = tuple(os.environ["BENCH_SPLIT"].split("+"))
+        ops, _, whole = os.environ["BENCH_SPLIT"].partition(":")
+        cpu_as_gpu["splitting_ops"] = tuple(ops.split("+"))
+        if whole == "prefill":  # W+sdpa:prefill: the prompt trace split, the decode trace (seq=1) whole
+            cpu_as_gpu["whole_traces"] = {"seq": 1}
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
                                cudagraphs=False if cpu_layers else "full", compile_workers=workers, progress=False,
@@ -116,6 +120,15 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             if not cpu_layers:
                 torch.cuda.synchronize()
             per_token.append((time.perf_counter() - t) / 32)
+        # and the prefill of the longest prompt size: generate() of one new token (its prefill alone), median of 5
+        long_ids = torch.randint(0, 200, (1, SIZES[-1]), device=device)
+        prefill = []
+        for _ in range(5):
+            t = time.perf_counter()
+            model.generate(long_ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            if not cpu_layers:
+                torch.cuda.synchronize()
+            prefill.append(time.perf_counter() - t)
     rows = list(fast.report())
     from shapewise.library.kernels.gemv import tuning_stats  # DecodeGemv's tuning in this start (compile_s, timing_s)
 
@@ -130,7 +143,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
             "token_check": token_check(got[0, ids.shape[1]:], want[0, ids.shape[1]:], eager.logits),
             "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
-            "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3), "direct_info": fast.direct_info,
+            "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3),
+            f"prefill{SIZES[-1]}_ms": round(sorted(prefill)[2] * 1e3, 3), "direct_info": fast.direct_info,
             "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats(),
             "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
             "splitting_ops": os.environ.get("BENCH_SPLIT", "default")}
@@ -157,7 +171,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--workers", default="1,4",
                     help="compile_workers per start, in order; W/T: T Inductor compile threads in each worker (else "
-                         "shapewise's share of the CPUs); a suffix +op(+op...): splitting_ops=(op, ...), e.g. 1+sdpa")
+                         "shapewise's share of the CPUs); a suffix +op(+op...): splitting_ops=(op, ...), e.g. 1+sdpa; "
+                         "+sdpa:prefill: the decode trace whole (whole_traces={'seq': 1})")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=200)
     ap.add_argument("--child", type=int, default=None)

@@ -403,3 +403,22 @@ def test_a_model_transformers_marks_not_compilable_keeps_its_dynamic_cache(caplo
     assert forced.static_cache is True
     with pytest.raises(sw.ConfigError, match="static_cache must be True, False or 'force', got 'yes'"):
         sw.compile_generate(_bert_decoder(), prompt_sizes=[8], static_cache="yes")
+
+
+def test_whole_traces_split_the_prompt_trace_and_compile_decode_whole():
+    # whole_traces={"seq": 1}: the decode trace (seq fixed at 1) is one piece, the prompt trace is split at
+    # SDPA (its pieces deduped across layers); both give eager's tokens and logits.
+    model = _llama()
+    fast = _greedy_equal(model, dict(prompt_sizes=[4, 24], max_length=64, static_cache=True, splitting_ops=("sdpa",),
+                                     whole_traces={"seq": 1}), _prompts(4, 24), new_tokens=6)
+    pieces = {}
+    for r in fast.report():
+        pieces.setdefault(r["trace"].split()[0], set()).add(r["piece"])
+    assert len(pieces["2"]) == 1 and len(pieces["1"]) > 1, pieces
+    assert fast.traces == 2
+
+
+@pytest.mark.parametrize("bad", ["seq", {"seq": "1"}, {1: 1}])
+def test_whole_traces_must_map_dim_names_to_sizes(bad):
+    with pytest.raises(sw.ConfigError, match="whole_traces must map dim names to sizes"):
+        sw.compile(torch.nn.Linear(4, 4), sizes=[2], whole_traces=bad)
