@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: FAILED {row['error']}", flush=True)
             traceback.print_exc(limit=3)
         torch._dynamo.reset()
+        from shapewise.library.kernels.gemv import GLU_DECISIONS  # DecodeGemv(glu=True)'s timings, per shape
+        env["glu_decisions"] = GLU_DECISIONS
         # Written after every contender, so a run cut short still leaves its results.
         (out / "results.json").write_text(json.dumps({"env": env, "tokens": tokens, "results": results}, indent=1))
 
@@ -331,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=64)]), tokens)
         run("shapewise full cudagraph+DecodeGemv+GLU",
             shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=16, glu=True)]), tokens)
+        run("shapewise full cudagraph+DecodeGemv64+GLU",
+            shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=64, glu=True)]), tokens)
         run("shapewise static+max_autotune+cudagraphs",
             shapewise(sizes=at_tokens, static_options={"max_autotune": True}, cudagraphs=True), at_tokens)
 

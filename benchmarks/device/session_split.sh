@@ -7,6 +7,6 @@
 source benchmarks/device/_setup.sh
 timeout $(( $(left) - ${BENCH_S:-200} )) python3 benchmarks/device/cold_generate.py --out "$OUT/cold" \
   --workers "${ORDER:-1+sdpa:prefill,1,1+sdpa,4+sdpa:prefill}" --timeout "${START_LIMIT:-150}" 2>&1 | cut -c1-400 | tail -8
-timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --models 1b --contenders sw_full,sw_full_split \
+timeout $(( $(left) - 5 )) python3 benchmarks/bench_decode.py --models 1b --contenders sw_full,sw_full_split,sw_full_glu \
   --rounds 3 --generate-repeats 3 --check-layers 2 --out "$OUT/decode" 2>&1 | grep -v "Warn\|warn\|skipping" | tail -14
 echo done

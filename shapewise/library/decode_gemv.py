@@ -59,7 +59,15 @@ from shapewise.errors import ConfigError
 from shapewise.library.fuse_projections import _backward as _group_backward
 from shapewise.library.fuse_projections import _joined
 from shapewise.library.fuse_projections import _setup_context as _group_setup
-from shapewise.library.kernels.gemv import MAX_ROWS, gemv, kernel_always, run_kernel, triton_gemv_available, tune
+from shapewise.library.kernels.gemv import (
+    MAX_ROWS,
+    gemv,
+    glu_pays,
+    kernel_always,
+    run_kernel,
+    triton_gemv_available,
+    tune,
+)
 from shapewise.library.patterns import match_linear
 from shapewise.passes.base import register_pass
 from shapewise.passes.graph_pass import GraphPass, PassResult, Sizes, VariantSizes
@@ -210,6 +218,8 @@ class DecodeGemv(GraphPass):
             shapes.append(shape)
             pdl = (True,) if self.pdl else ()
             gated = _gated(x) if self.glu else None
+            if gated is not None and not _glu_wanted(shape):
+                gated = None
             with gm.graph.inserting_before(node):
                 if gated is None:
                     new = gm.graph.call_function(op, (x, weight, bias, *pdl))
@@ -306,14 +316,35 @@ def _erase_unused(graph: torch.fx.Graph, product: torch.fx.Node) -> None:
             graph.erase_node(node)
 
 
+def _can_tune(device: torch.device, n: Any) -> bool:
+    """Whether a shape on ``device`` can be timed here and now (the kernel's device, real tensors, no capture)."""
+    return (device.type == "cuda" and n is not None and triton_gemv_available() and not fake_mode_active()
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _glu_wanted(shape: tuple) -> bool:
+    """Whether a gated product of this (rows, N, K, dtype, bias, device) becomes ``gemv_glu``: where it can be
+    timed, only if the kernel with the activation beats the plain product and the activation's kernel
+    (``kernels.gemv.glu_pays``); elsewhere (the CPU, fake tensors) it does, as asked (the op then decides
+    at its first call between its kernel and the three ops)."""
+    if not _can_tune(shape[-1], shape[1]):
+        return True
+    try:
+        return glu_pays(*shape)
+    except Exception as e:  # noqa: BLE001 - a timing that fails keeps the plain product, never a failed compile
+        log.warning("shapewise: DecodeGemv could not time silu(x) * up in the kernel for rows=%d weight=[%d, %d] "
+                    "(%s: %s); the activation stays a kernel of its own", shape[0], shape[1], shape[2],
+                    type(e).__name__, e)
+        return False
+
+
 def _tune_ahead(shapes: list[tuple], pdl: bool = False) -> None:
     """Tune each rewritten shape now, where the kernel runs and tensors are real (the pass also
     runs on CPU graphs and may run under fake tensors); a shape another process is tuning is
     left to it (``wait=False``). With ``pdl`` (where the GPU has it): the weights' configs alone, as the
     op runs them (``shapewise::gemv``)."""
     for rows, n, k, dtype, bias, device in dict.fromkeys(shapes):
-        if (device.type != "cuda" or n is None or not triton_gemv_available() or fake_mode_active()
-                or torch.cuda.is_current_stream_capturing()):
+        if not _can_tune(device, n):
             continue
         try:
             tune(rows, n, k, dtype, bias, device, wait=False, linear=not kernel_always(pdl, device))

@@ -3,6 +3,8 @@ its gating on the CPU (where the op is ``F.linear``), the kernel itself on the G
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -352,6 +354,27 @@ def test_a_gated_mlps_down_projection_takes_its_activation_into_the_kernel(fused
     assert code.count("shapewise.gemv_glu.default") == 1 and "silu" not in code and "contiguous" not in code, code
     plain_code = next(v.gm for r in plain.runnables for p in r.program.compute_pieces for v in p.variants).code
     assert "gemv_glu" not in plain_code and "silu" in plain_code
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_the_activation_goes_into_the_kernel_only_where_its_timing_says_it_pays(monkeypatch, pays):
+    # Where the pass can time (a GPU), it asks glu_pays for each gated product's shape: where the kernel
+    # with the activation is slower than the plain product and the activation's own kernel, the
+    # product stays gemv of silu(gate) * up.
+    decode_gemv = importlib.import_module("shapewise.library.decode_gemv")
+    asked = []
+    monkeypatch.setattr(decode_gemv, "_can_tune", lambda device, n: True)
+    monkeypatch.setattr(decode_gemv, "glu_pays", lambda *shape: asked.append(shape[:3]) or pays)
+    monkeypatch.setattr(decode_gemv, "tune", lambda *a, **kw: None)
+    torch.manual_seed(0)
+    model = GatedMlp()
+    fast = sw.compile(model, sizes=[3], backend="aot_eager", graph_passes=[sw.library.DecodeGemv(glu=True, **CPU)])
+    with torch.no_grad():
+        x = torch.randn(3, 32)
+        assert_same(fast(x), model(x), "n=3")
+    code = next(v.gm for r in fast.runnables for p in r.program.compute_pieces for v in p.variants).code
+    assert asked == [(3, 32, 64)]
+    assert code.count("shapewise.gemv_glu.default") == int(pays) and ("silu" in code) is not pays, code
 
 
 def test_gemv_glu_is_the_three_ops_and_trains():

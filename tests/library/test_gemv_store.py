@@ -36,27 +36,34 @@ class StandInGpu:
     at ``linear_ms`` (a number, or a function of the rows); counts tunes (F.linear timings) and,
     in ``benched``, every timing by (config or "linear", rows)."""
 
-    def __init__(self, monkeypatch, name: str = "Stand-in GPU", linear_ms=5.0, delay: float = 0.0, kernel_ms=None):
-        self.name, self.linear_ms, self.delay, self.kernel_ms = name, linear_ms, delay, kernel_ms
+    def __init__(self, monkeypatch, name: str = "Stand-in GPU", linear_ms=5.0, delay: float = 0.0, kernel_ms=None,
+                 silu_ms: float = 0.5):
+        self.name, self.linear_ms, self.delay, self.kernel_ms, self.silu_ms = name, linear_ms, delay, kernel_ms, silu_ms
         self.fastest = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)[3]
         self.tunes, self._last, self.benched = 0, None, Counter()
         monkeypatch.setattr(gemv, "_device_info", lambda device: (self.name, 132))
         monkeypatch.setattr(gemv, "_capturing", lambda: False)  # no CUDA query (a forked child cannot make one)
         monkeypatch.setattr(gemv, "_launch", self._launch)
-        monkeypatch.setattr(gemv, "F", types.SimpleNamespace(linear=self._linear))
+        monkeypatch.setattr(gemv, "F", types.SimpleNamespace(linear=self._linear, silu=self._silu))
         monkeypatch.setattr(gemv_timing, "time_calls", self._bench)
 
-    def _launch(self, x, w, b, cfg):
-        self._last = (cfg, x.shape[0])
+    def _launch(self, x, w, b, cfg, up=None):  # with up (silu(x) * up's product): ("glu", cfg)
+        self._last = (cfg if up is None else ("glu", cfg), x.shape[0])
 
     def _linear(self, x, w, b=None):
         self._last = ("linear", x.shape[0])
+
+    def _silu(self, x):
+        self._last = ("silu", x.shape[0])
+        return x
 
     def _bench(self, fn, w) -> float:
         fn(w)
         time.sleep(self.delay)
         self.benched[self._last] += 1
         what, rows = self._last
+        if what == "silu":
+            return self.silu_ms
         if what == "linear":
             self.tunes += 1  # F.linear is timed once per tune
             return self.linear_ms(rows) if callable(self.linear_ms) else self.linear_ms
@@ -473,3 +480,26 @@ def test_a_failed_capture_is_kept_for_good_its_pool_routing_ended_and_released(m
     gemv_timing._abandon(second, torch.device("cuda", 0), (0, 9))
     assert gemv_timing.ABANDONED == [first, second]
     assert calls == [("end", 1, (0, 7)), ("release", 1, (0, 7)), ("end", 0, (0, 9))]
+
+
+@pytest.mark.parametrize("glu_ms, pays", [(1.4, True), (1.6, False), (None, False)])
+def test_silu_times_up_goes_into_the_kernel_only_where_it_beats_the_plain_product_and_the_activation(
+        store, monkeypatch, glu_ms, pays):
+    # The plain product's fastest config takes 1 ms, the activation's kernel 0.5: the kernel with the
+    # activation must take at most 1.5. glu_ms None: every GLU config slower than F.linear(silu(x) * up)
+    # (5 ms), so its own tuning chose F.linear: no kernel to time.
+    def kernel_ms(what, rows):
+        if isinstance(what, tuple):
+            return 9.0 if glu_ms is None else glu_ms if what[1] == gpu.fastest else 3.0
+        return 1.0 if what == gpu.fastest else 2.0
+
+    gpu = StandInGpu(monkeypatch, kernel_ms=kernel_ms)
+    monkeypatch.setattr(gemv, "_GLU_PAYS", {})
+    assert gemv.glu_pays(**SHAPE, device="cpu") is pays
+    timed = sum(gpu.benched.values())
+    assert gemv.glu_pays(**SHAPE, device="cpu") is pays and sum(gpu.benched.values()) == timed  # asked once
+    # both tunings are kept apart: the plain product's config is the plain kernel's winner
+    assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest
+    if glu_ms is not None:
+        assert gemv.tune(**SHAPE, device="cpu", glu=True) == gpu.fastest
+        assert gpu.benched[(("glu", gpu.fastest), SHAPE["rows"])] >= 1 and gpu.benched[("silu", SHAPE["rows"])] == 1

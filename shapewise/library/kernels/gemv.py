@@ -55,7 +55,7 @@ from shapewise.library.kernels.gemv_launch import MAX_ROWS, ROW_TILES, GemvConfi
 from shapewise.library.kernels.pdl import pdl_supported
 from shapewise.library.kernels.store import MISSING, TuningStore
 
-__all__ = ["GemvConfig", "MAX_ROWS", "ROW_TILES", "gemv", "gemv_config", "gemv_configs", "kernel_always",
+__all__ = ["GemvConfig", "MAX_ROWS", "ROW_TILES", "gemv", "gemv_config", "gemv_configs", "glu_pays", "kernel_always",
            "row_tile", "run_kernel", "triton_gemv_available", "tune", "tuning_stats"]
 
 log = logging.getLogger("shapewise")
@@ -82,41 +82,49 @@ _STATS_LOCK = threading.Lock()
 _BUSY = object()  # with wait=False: another process holds the file lock of the tune we need
 
 
-def _key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple:
-    return (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, x.device.index)
+def _key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, glu: bool = False) -> tuple:
+    """(rows, N, K, dtype, bias?, device index), and "glu" last for the kernel of ``silu(x) * up``."""
+    return (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, x.device.index, *(("glu",) if glu else ()))
 
 
 def gemv_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
-                linear: bool = True) -> GemvConfig | None:
+                linear: bool = True, up: torch.Tensor | None = None) -> GemvConfig | None:
     """The config the op uses for these arguments (memory, then disk, then tuned on them; None:
     ``F.linear`` wins or no config compiled). ``linear=False``: the weight's fastest config, never
-    ``F.linear`` (as with ``pdl=True``)."""
-    return _config(_key(x, w, b), x.device, lambda: (x, w, b), linear=linear)
+    ``F.linear`` (as with ``pdl=True``). ``up``: for the product of ``silu(x) * up`` (``gemv_glu``), tuned
+    apart from the plain product, the activation in the kernel, against ``F.linear(F.silu(x) * up)``."""
+    return _config(_key(x, w, b, up is not None), x.device, lambda: (x, w, b, up), linear=linear)
 
 
 def tune(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: bool = False,
-         device: torch.device | str = "cuda", *, wait: bool = True, linear: bool = True) -> GemvConfig | None:
+         device: torch.device | str = "cuda", *, wait: bool = True, linear: bool = True,
+         glu: bool = False) -> GemvConfig | None:
     """Tune ``x[rows, k] @ w[n, k].T (+ b[n])`` ahead of the op's first call, on random tensors
     (made with a generator of their own): the config the op will use, from memory or disk when
     some process tuned it already, else timed here and written to disk for the others. With
     ``wait=False`` a shape (or its weight) that another process is tuning right now is left to
     it (None, at once). ``linear=False``: the weight's config alone, never ``F.linear`` (what
     ``pdl=True`` runs). Needs the kernel's device (CUDA with Triton); a shape the kernel does not
-    take (other dtypes, more rows, K < 16) is not timed: None, ``F.linear``."""
+    take (other dtypes, more rows, K < 16) is not timed: None, ``F.linear``. ``glu``: the product of
+    ``silu(x) * up`` (``gemv_glu``'s kernel), tuned apart from the plain one."""
     if dtype not in _FAST_DTYPES or not 1 <= rows <= MAX_ROWS or k < 16 or n * k > _MAX_OFFSET:
         return None
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
 
-    def tensors() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        g = torch.Generator(device).manual_seed(0)
-        make = lambda *shape: torch.randn(*shape, dtype=dtype, device=device, generator=g)
-        return make(rows, k), make(n, k), make(n) if bias else None
-
     on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with torch.no_grad(), on:
-        return _config((rows, n, k, dtype, bias, device.index), device, tensors, wait, linear)
+        return _config((rows, n, k, dtype, bias, device.index, *(("glu",) if glu else ())), device,
+                       functools.partial(_random_tensors, rows, n, k, dtype, bias, device, glu), wait, linear)
+
+
+def _random_tensors(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, device: torch.device,
+                    glu: bool = False) -> tuple:
+    """(x, w, b, up) to time on, from a generator of their own (b None without bias, up without glu)."""
+    g = torch.Generator(device).manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, dtype=dtype, device=device, generator=g)
+    return make(rows, k), make(n, k), make(n) if bias else None, make(rows, k) if glu else None
 
 
 def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait: bool = True,
@@ -222,11 +230,12 @@ def _triton_version() -> str | None:
 
 def _weight_fields(wkey: tuple, gpu: str, sms: int, configs: list[GemvConfig]) -> dict:
     """A stored winner's key: everything that changes which config is fastest for the weight."""
-    tile, n, k, dtype, bias, _ = wkey  # not the device index: ranks on other GPUs of the model share it
+    tile, n, k, dtype, bias = wkey[:5]  # not the device index: ranks on other GPUs of the model share it
     return {"kernel": "gemv", "level": "weight", "timed_rows": tile, "gpu": gpu, "sms": sms,
             "torch": torch.__version__, "triton": _triton_version(), "source": _source_hash(),
             "configs": hashlib.sha256(repr(configs).encode()).hexdigest()[:16],
-            "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "bias": bool(bias)}
+            "n": n, "k": k, "dtype": str(dtype).removeprefix("torch."), "bias": bool(bias),
+            **({"glu": True} if "glu" in wkey[6:] else {})}
 
 
 def _fields(key: tuple, gpu: str, sms: int, configs: list[GemvConfig]) -> dict:
@@ -245,7 +254,8 @@ def _parse(value, configs: list[GemvConfig]) -> GemvConfig | None:
     return cfg
 
 
-def _precompile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, configs: list[GemvConfig]) -> None:
+def _precompile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, up: torch.Tensor | None,
+                configs: list[GemvConfig]) -> None:
     """Compile every config's binary before any is timed, several at once: Triton's compile is
     mostly native passes and ``ptxas``, which run outside the GIL, so the compiles of one shape
     take about as long as its slowest. A config that fails here fails again when timed (skipped there)."""
@@ -256,9 +266,9 @@ def _precompile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, config
     def compile_one(cfg: GemvConfig) -> None:
         try:
             with torch.cuda.device(x.device):  # Triton compiles for, and caches under, the current device
-                _launch(x, w, b, cfg, warmup=True)
+                _launch(x, w, b, cfg, warmup=True, up=up)
         except Exception as e:  # noqa: BLE001 - reported when the config is timed
-            log.debug("shapewise gemv: config %s did not compile for %s: %s", cfg, _key(x, w, b), e)
+            log.debug("shapewise gemv: config %s did not compile for %s: %s", cfg, _key(x, w, b, up is not None), e)
 
     with ThreadPoolExecutor(workers, thread_name_prefix="shapewise-gemv-compile") as pool:
         list(pool.map(compile_one, configs))
@@ -284,23 +294,24 @@ def _time(fn: Callable[[torch.Tensor], object], what: object, w: torch.Tensor) -
         return float("inf")
 
 
-def _tune_weight(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+def _tune_weight(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, up: torch.Tensor | None,
                  configs: list[GemvConfig]) -> GemvConfig | None:
     """The fastest of ``configs`` for ``w`` (None: none ran), timed at as many random rows as
     ``x``'s row tile holds. One row count stands for all of a tile: the kernel pads the rows to its
     tile (masked loads and stores), so every row count of a tile streams the same weight in the
     same tiles and one config is fastest for all (up to noise); the full tile is the most work any
-    of them does."""
+    of them does. With ``up``, the configs of ``silu(x) * up``'s product (the activation in the kernel)."""
     tile = row_tile(x.shape[0])
     if x.shape[0] != tile:
         g = torch.Generator(x.device).manual_seed(0)
         x = torch.randn(tile, x.shape[1], dtype=x.dtype, device=x.device, generator=g)
+        up = None if up is None else torch.randn(x.shape, dtype=x.dtype, device=x.device, generator=g)
     t0 = time.perf_counter()
-    _precompile(x, w, b, configs)
+    _precompile(x, w, b, up, configs)
     t1 = time.perf_counter()
     best, best_ms = None, float("inf")
     for cfg in configs:
-        ms = _time(lambda w_, cfg=cfg: _launch(x, w_, b, cfg), cfg, w)
+        ms = _time(lambda w_, cfg=cfg: _launch(x, w_, b, cfg, up=up), cfg, w)
         if ms < best_ms:
             best, best_ms = cfg, ms
     t2 = time.perf_counter()
@@ -310,12 +321,14 @@ def _tune_weight(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
     return best
 
 
-def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, best: GemvConfig) -> GemvConfig | None:
+def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, up: torch.Tensor | None,
+          best: GemvConfig) -> GemvConfig | None:
     """``best`` (the weight's winner, ``_tune_weight``) against ``F.linear`` at ``x``'s rows:
-    the faster (None: ``F.linear``); whether cuBLAS wins changes with the row count."""
+    the faster (None: ``F.linear``); whether cuBLAS wins changes with the row count. With ``up``:
+    against what ``gemv_glu`` runs without the kernel, ``F.linear(F.silu(x) * up)``."""
     t0 = time.perf_counter()
-    best_ms = _time(lambda w_: _launch(x, w_, b, best), best, w)
-    linear_ms = _time(lambda w_: F.linear(x, w_, b), "F.linear", w)
+    best_ms = _time(lambda w_: _launch(x, w_, b, best, up=up), best, w)
+    linear_ms = _time(lambda w_: F.linear(x if up is None else F.silu(x) * up, w_, b), "F.linear", w)
     dt = time.perf_counter() - t0
     _count(shapes=1, shape_timings=2, shape_timing_s=dt, timing_s=dt)
     if linear_ms < best_ms:
@@ -323,6 +336,48 @@ def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, best: GemvCo
                  linear_ms * 1e3, best_ms * 1e3, best, x.shape[0], tuple(w.shape))
         return None
     return best if best_ms < float("inf") else None
+
+
+_GLU_PAYS: dict[tuple, bool] = {}  # (rows, N, K, dtype, bias, device) -> glu_pays' answer, in this process
+GLU_DECISIONS: list[dict] = []  # glu_pays' timings in this process (what the benchmarks report), one a shape
+
+
+def glu_pays(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: bool = False,
+             device: torch.device | str = "cuda") -> bool:
+    """Whether ``gemv_glu``'s kernel (``silu(x) * up`` computed as it loads x) takes less time than
+    what runs without it: the plain product as its tuning chose it (the kernel or ``F.linear``) and
+    one elementwise kernel for the activation (timed as ``F.silu(x)``, one kernel, as Inductor fuses
+    silu and the product into one). Each timed as ``time_calls`` times the tuner's, once per shape in a
+    process (memory only; the tunings it starts from are on disk). False where the GLU kernel's own
+    tuning chose ``F.linear``. Needs the kernel's device, as ``tune``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (rows, n, k, dtype, bias, device)
+    if key in _GLU_PAYS:
+        return _GLU_PAYS[key]
+    glu_cfg, plain_cfg = tune(rows, n, k, dtype, bias, device, glu=True), tune(rows, n, k, dtype, bias, device)
+    pays = False
+    if glu_cfg is not None:
+        x, w, b, up = _random_tensors(rows, n, k, dtype, bias, device, glu=True)
+        on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with torch.no_grad(), on, _TUNE_LOCK:
+            try:
+                glu_ms = _time(lambda w_: _launch(x, w_, b, glu_cfg, up=up), glu_cfg, w)
+                plain_ms = _time(lambda w_: F.linear(x, w_, b) if plain_cfg is None else _launch(x, w_, b, plain_cfg),
+                                 plain_cfg or "F.linear", w)
+                act_ms = _time(lambda w_: F.silu(x), "silu", w)
+            finally:
+                gemv_timing.drop_copies()
+        pays = glu_ms <= plain_ms + act_ms
+        GLU_DECISIONS.append({"rows": rows, "n": n, "k": k, "glu_us": round(glu_ms * 1e3, 2),
+                              "glu_config": str(glu_cfg), "plain_us": round(plain_ms * 1e3, 2), "plain_config": str(plain_cfg or "F.linear"),
+                              "activation_us": round(act_ms * 1e3, 2), "pays": pays})
+        log.info("shapewise gemv: silu(x) * up in the kernel %s: %.1f us (%s) against %.1f + %.1f us (%s, then the "
+                 "activation) at rows=%d weight=[%d, %d]", "pays" if pays else "does not pay", glu_ms * 1e3, glu_cfg,
+                 plain_ms * 1e3, act_ms * 1e3, plain_cfg or "F.linear", rows, n, k)
+    _GLU_PAYS[key] = pays
+    return pays
 
 
 _STATS = {"weights": 0, "weight_timings": 0, "compile_s": 0.0, "weight_timing_s": 0.0,
@@ -391,7 +446,7 @@ def run_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if u2 is not None and u2.stride() != x2.stride():
         return None
     with torch.cuda.device(x.device):  # Triton launches on the current device
-        cfg = gemv_config(x2, weight, bias, linear=not kernel_always(pdl, x.device))
+        cfg = gemv_config(x2, weight, bias, linear=not kernel_always(pdl, x.device), up=u2)
         return None if cfg is None else _launch(x2, weight, bias, cfg, pdl=pdl, up=u2).reshape(
             *x.shape[:-1], weight.shape[0])
 
