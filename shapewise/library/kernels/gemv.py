@@ -371,7 +371,8 @@ def glu_pays(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bia
                 gemv_timing.drop_copies()
         pays = glu_ms <= plain_ms + act_ms
         GLU_DECISIONS.append({"rows": rows, "n": n, "k": k, "glu_us": round(glu_ms * 1e3, 2),
-                              "glu_config": str(glu_cfg), "plain_us": round(plain_ms * 1e3, 2), "plain_config": str(plain_cfg or "F.linear"),
+                              "glu_config": str(glu_cfg), "plain_us": round(plain_ms * 1e3, 2),
+                              "plain_config": str(plain_cfg or "F.linear"),
                               "activation_us": round(act_ms * 1e3, 2), "pays": pays})
         log.info("shapewise gemv: silu(x) * up in the kernel %s: %.1f us (%s) against %.1f + %.1f us (%s, then the "
                  "activation) at rows=%d weight=[%d, %d]", "pays" if pays else "does not pay", glu_ms * 1e3, glu_cfg,
