@@ -413,6 +413,27 @@ def test_the_glu_kernel_matches_float64_on_split_halves(monkeypatch):
         assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_the_pass_times_the_activation_in_the_kernel_and_answers_as_eager():
+    # A gated MLP in bf16 on the GPU, FuseProjections' halves: DecodeGemv(glu=True) asks glu_pays (the GLU
+    # kernel timed against the plain product and the activation's kernel), rewrites as it answers, and
+    # either way the result matches float64.
+    gemv_module = importlib.import_module("shapewise.library.kernels.gemv")
+    torch.manual_seed(0)
+    hidden = 2048 + 96  # a shape no other test tunes
+    model = GatedMlp(512, hidden).cuda().to(torch.bfloat16)
+    before = len(gemv_module.GLU_DECISIONS)
+    fast = sw.compile(model, sizes=[3], graph_passes=[sw.library.FuseProjections(), sw.library.DecodeGemv(glu=True)])
+    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = fast(x)
+        ref = model.double()(x.double())
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
+    (decision,) = [d for d in gemv_module.GLU_DECISIONS[before:] if (d["rows"], d["n"], d["k"]) == (3, 512, hidden)]
+    code = next(v.gm for r in fast.runnables for p in r.program.compute_pieces for v in p.variants).code
+    assert ("gemv_glu" in code) is decision["pays"], (decision, code)
+
+
 def test_compile_generate_adds_the_pass_only_where_asked_or_on_by_default():
     # On the CPU (no CUDA graphs) compile_generate leaves it out; decode_gemv=True adds one, and a
     # DecodeGemv of the user's own in graph_passes is used as given, not joined by a second.
