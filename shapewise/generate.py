@@ -280,7 +280,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from
     fusing across the attention: there the forward is one piece (on the H200 at Llama-3.2-1B
     shapes, 297 kernels a decode step against 342, as transformers' recipe;
-    benchmarks/results/decode_h200). ``fuse_projections``: pack each module's sibling linear
+    benchmarks/results/decode_h200). With ``whole_traces={"seq": 1}`` beside ``splitting_ops`` (a pipeline
+    option, ``sw.compile``'s too) the decode trace (seq fixed at one token) stays whole and only the prompt
+    trace is split: its pieces, the same in every layer, compile once a size (the dedupe), not the whole
+    forward once a size. ``fuse_projections``: pack each module's sibling linear
     layers into one buffer (``sw.library.pack_projections``: the model's parameters become views
     into it, in place) and run ``sw.library.FuseProjections`` first among the graph passes, so q,
     k, v (and gate, up) are one matmul each. By default (None) on where the steps replay CUDA
