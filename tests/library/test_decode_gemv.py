@@ -181,6 +181,11 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight(monk
         assert all((tile + c.block_n) * c.block_k * 2 * c.num_stages <= 192 << 10 for c in gemv_configs(4096, 4096,
                                                                                                      tile=tile))
     assert len(gemv_configs(4096, 4096, tile=64)) >= 6
+    # the GLU kernel stages an up tile beside each x tile: its configs fit with both, a subset of the plain ones
+    for tile in (16, 64):
+        glu, plain = gemv_configs(4096, 11008, tile=tile, glu=True), gemv_configs(4096, 11008, tile=tile)
+        assert glu and (set(glu) < set(plain) if tile == 64 else set(glu) <= set(plain))
+        assert all((2 * tile + c.block_n) * c.block_k * 2 * c.num_stages <= 192 << 10 for c in glu)
     # wdot (the weight as wgmma's M side) is timed beside dot at every tile, unless turned off.
     monkeypatch.delenv("SHAPEWISE_GEMV_WDOT", raising=False)
     for tile in (1, 16, 64):

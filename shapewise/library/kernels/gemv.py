@@ -138,7 +138,7 @@ def _config(key: tuple, device: torch.device, tensors: Callable[[], tuple], wait
     if cfg is not False:
         return cfg
     gpu, sms = _device_info(device)
-    configs = gemv_configs(key[1], key[2], sms, row_tile(key[0]))
+    configs = gemv_configs(key[1], key[2], sms, row_tile(key[0]), glu="glu" in key[6:])
     if os.environ.get("SHAPEWISE_GEMV_TUNE", "1") == "0":
         memo[memo_key] = configs[0]  # untimed, by request
         return configs[0]

@@ -96,20 +96,21 @@ _ROWS_TILINGS = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 512, 4), (4, 1024
 _ROWS_PRODUCTS = 8192
 
 
-def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16) -> list[GemvConfig]:
+def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16, glu: bool = False) -> list[GemvConfig]:
     """The candidates tuning times for an [n, k] weight on a GPU of ``sms`` multiprocessors, at
     row tile ``tile``: the dot tilings whose pipeline fits the shared memory at that tile (at least
     16 rows), each with one K slice and, where it has fewer tiles than two per multiprocessor, with
     enough K slices for that (a power of two, at most 8); then, at tiles of at most
     ``MAX_ROWS_KERNEL_ROWS`` rows (unless ``SHAPEWISE_GEMV_ROWS=0``), the rows tilings whose
-    products fit the registers."""
+    products fit the registers. ``glu``: the kernel of ``silu(x) * up``, whose pipeline also stages
+    the ``up`` tiles (a second x tile a stage: on a CPU machine, ptxas for sm_90a, Triton 3.6)."""
     dot_tile = max(16, tile)
     out = []
     tilings = [(t, "dot") for t in _DOT_TILINGS]
     if os.environ.get("SHAPEWISE_GEMV_WDOT", "1") != "0":
         tilings += [(t, "wdot") for t in _WDOT_TILINGS]
     for (bn, bk, warps, stages), kernel in tilings:
-        if (dot_tile + bn) * bk * 2 * stages > _SMEM_BUDGET or (dot_tile == 16 and bk == 64):
+        if ((1 + glu) * dot_tile + bn) * bk * 2 * stages > _SMEM_BUDGET or (dot_tile == 16 and bk == 64):
             continue
         splits = [1]
         want = _cdiv(2 * sms, _cdiv(n, bn))
