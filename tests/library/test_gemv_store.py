@@ -40,7 +40,7 @@ class StandInGpu:
                  silu_ms: float = 0.5):
         self.name, self.linear_ms, self.delay, self.kernel_ms, self.silu_ms = name, linear_ms, delay, kernel_ms, silu_ms
         self.fastest = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132)[3]
-        self.tunes, self._last, self.benched = 0, None, Counter()
+        self.tunes, self._last, self.benched, self._silu_first = 0, None, Counter(), False
         monkeypatch.setattr(gemv, "_device_info", lambda device: (self.name, 132))
         monkeypatch.setattr(gemv, "_capturing", lambda: False)  # no CUDA query (a forked child cannot make one)
         monkeypatch.setattr(gemv, "_launch", self._launch)
@@ -49,12 +49,14 @@ class StandInGpu:
 
     def _launch(self, x, w, b, cfg, up=None):  # with up (silu(x) * up's product): ("glu", cfg)
         self._last = (cfg if up is None else ("glu", cfg), x.shape[0])
+        if self._silu_first:  # silu, then this product, in one timed call: timed as both
+            self._last, self._silu_first = (("silu", cfg), x.shape[0]), False
 
     def _linear(self, x, w, b=None):
         self._last = ("linear", x.shape[0])
 
     def _silu(self, x):
-        self._last = ("silu", x.shape[0])
+        self._silu_first = True
         return x
 
     def _bench(self, fn, w) -> float:
@@ -62,8 +64,8 @@ class StandInGpu:
         time.sleep(self.delay)
         self.benched[self._last] += 1
         what, rows = self._last
-        if what == "silu":
-            return self.silu_ms
+        if isinstance(what, tuple) and what[0] == "silu":  # the activation's kernel, then the plain product
+            return self.silu_ms + (1.0 if what[1] == self.fastest else 2.0)
         if what == "linear":
             self.tunes += 1  # F.linear is timed once per tune
             return self.linear_ms(rows) if callable(self.linear_ms) else self.linear_ms
@@ -495,11 +497,15 @@ def test_silu_times_up_goes_into_the_kernel_only_where_it_beats_the_plain_produc
 
     gpu = StandInGpu(monkeypatch, kernel_ms=kernel_ms)
     monkeypatch.setattr(gemv, "_GLU_PAYS", {})
+    monkeypatch.setattr(gemv, "GLU_DECISIONS", [])
     assert gemv.glu_pays(**SHAPE, device="cpu") is pays
     timed = sum(gpu.benched.values())
     assert gemv.glu_pays(**SHAPE, device="cpu") is pays and sum(gpu.benched.values()) == timed  # asked once
+    (decision,) = gemv.GLU_DECISIONS  # every answer recorded, the one without a GLU kernel too
+    assert decision["pays"] is pays and (decision["glu_config"] == "F.linear") is (glu_ms is None)
     # both tunings are kept apart: the plain product's config is the plain kernel's winner
     assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest
     if glu_ms is not None:
         assert gemv.tune(**SHAPE, device="cpu", glu=True) == gpu.fastest
-        assert gpu.benched[(("glu", gpu.fastest), SHAPE["rows"])] >= 1 and gpu.benched[("silu", SHAPE["rows"])] == 1
+        assert decision["unfused_us"] == 1500.0  # silu, then the plain kernel's winner, in one timed call
+        assert gpu.benched[(("silu", gpu.fastest), SHAPE["rows"])] == 1

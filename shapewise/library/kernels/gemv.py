@@ -345,11 +345,14 @@ GLU_DECISIONS: list[dict] = []  # glu_pays' timings in this process (what the be
 def glu_pays(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: bool = False,
              device: torch.device | str = "cuda") -> bool:
     """Whether ``gemv_glu``'s kernel (``silu(x) * up`` computed as it loads x) takes less time than
-    what runs without it: the plain product as its tuning chose it (the kernel or ``F.linear``) and
-    one elementwise kernel for the activation (timed as ``F.silu(x)``, one kernel, as Inductor fuses
-    silu and the product into one). Each timed as ``time_calls`` times the tuner's, once per shape in a
-    process (memory only; the tunings it starts from are on disk). False where the GLU kernel's own
-    tuning chose ``F.linear``. Needs the kernel's device, as ``tune``."""
+    what runs without it: an activation kernel, then the plain product as its tuning chose it (the
+    kernel or ``F.linear``). Both timed as ``time_calls`` times the tuner's, in one call each (the
+    activation as ``F.silu(x)``, one kernel, as Inductor fuses silu and the product into one), so a
+    replay's launch cost weighs on both alike: timed apart, the activation's share of it was counted
+    twice (an H100, 2026-12-07: 6.5 µs for a 22 KB activation, and a GLU kernel 3.5 µs slower than the
+    plain one taken as paying; the forward was 12 µs slower). Once per shape in a process (memory only;
+    the tunings it starts from are on disk). False where the GLU kernel's own tuning chose ``F.linear``.
+    Every answer is in ``GLU_DECISIONS``. Needs the kernel's device, as ``tune``."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -357,26 +360,28 @@ def glu_pays(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bia
     if key in _GLU_PAYS:
         return _GLU_PAYS[key]
     glu_cfg, plain_cfg = tune(rows, n, k, dtype, bias, device, glu=True), tune(rows, n, k, dtype, bias, device)
-    pays = False
+    glu_ms = unfused_ms = float("nan")
     if glu_cfg is not None:
         x, w, b, up = _random_tensors(rows, n, k, dtype, bias, device, glu=True)
+
+        def unfused(w_: torch.Tensor) -> object:
+            act = F.silu(x)
+            return F.linear(act, w_, b) if plain_cfg is None else _launch(act, w_, b, plain_cfg)
+
         on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with torch.no_grad(), on, _TUNE_LOCK:
             try:
                 glu_ms = _time(lambda w_: _launch(x, w_, b, glu_cfg, up=up), glu_cfg, w)
-                plain_ms = _time(lambda w_: F.linear(x, w_, b) if plain_cfg is None else _launch(x, w_, b, plain_cfg),
-                                 plain_cfg or "F.linear", w)
-                act_ms = _time(lambda w_: F.silu(x), "silu", w)
+                unfused_ms = _time(unfused, "the activation, then the product", w)
             finally:
                 gemv_timing.drop_copies()
-        pays = glu_ms <= plain_ms + act_ms
-        GLU_DECISIONS.append({"rows": rows, "n": n, "k": k, "glu_us": round(glu_ms * 1e3, 2),
-                              "glu_config": str(glu_cfg), "plain_us": round(plain_ms * 1e3, 2),
-                              "plain_config": str(plain_cfg or "F.linear"),
-                              "activation_us": round(act_ms * 1e3, 2), "pays": pays})
-        log.info("shapewise gemv: silu(x) * up in the kernel %s: %.1f us (%s) against %.1f + %.1f us (%s, then the "
-                 "activation) at rows=%d weight=[%d, %d]", "pays" if pays else "does not pay", glu_ms * 1e3, glu_cfg,
-                 plain_ms * 1e3, act_ms * 1e3, plain_cfg or "F.linear", rows, n, k)
+    pays = glu_ms <= unfused_ms  # (False where either is nan: no GLU config, or a timing that failed)
+    GLU_DECISIONS.append({"rows": rows, "n": n, "k": k, "glu_us": round(glu_ms * 1e3, 2),
+                          "glu_config": str(glu_cfg or "F.linear"), "unfused_us": round(unfused_ms * 1e3, 2),
+                          "plain_config": str(plain_cfg or "F.linear"), "pays": pays})
+    log.info("shapewise gemv: silu(x) * up in the kernel %s at rows=%d weight=[%d, %d]: %.1f us (%s) against %.1f us "
+             "(the activation's kernel, then %s)", "pays" if pays else "does not pay", rows, n, k, glu_ms * 1e3,
+             glu_cfg or "F.linear", unfused_ms * 1e3, plain_cfg or "F.linear")
     _GLU_PAYS[key] = pays
     return pays
 
