@@ -283,7 +283,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     benchmarks/results/decode_h200). With ``whole_traces={"seq": 1}`` beside ``splitting_ops`` (a pipeline
     option, ``sw.compile``'s too) the decode trace (seq fixed at one token) stays whole and only the prompt
     trace is split: its pieces, the same in every layer, compile once a size (the dedupe), not the whole
-    forward once a size. ``fuse_projections``: pack each module's sibling linear
+    forward once a size (an H100, the 1B: the serial cold start 53.1 against 68.1 s, the decode step the
+    same program; benchmarks/results/split_glu_h100_20261207). ``fuse_projections``: pack each module's sibling linear
     layers into one buffer (``sw.library.pack_projections``: the model's parameters become views
     into it, in place) and run ``sw.library.FuseProjections`` first among the graph passes, so q,
     k, v (and gate, up) are one matmul each. By default (None) on where the steps replay CUDA

@@ -24,11 +24,14 @@ With ``glu=True``, a linear of ``silu(gate) * up`` (a gated MLP's down projectio
 Mistral's) becomes ``shapewise::gemv_glu(gate, up, W, b)``: the kernel computes the activation as it
 loads its input, so the activation's kernel and its output's round trip through memory are gone;
 where ``gate`` and ``up`` are FuseProjections' split halves of one matmul, the kernel reads them in
-place. Off by default: on an H100 (benchmarks/results/h200_20261205b/2_h100_check) a 7B-sized
-stack's full graph with it took 1320 µs at 1 and 8 tokens, against 672 and 685 without. The
-kernel is tuned without the activation, and with it ptxas gives the tuned tiling 255 registers and
-spills (167, none, without: a config of 8 stages holds both halves' loads in registers); it needs
-configs of its own, timed against cuBLAS plus the activation's kernel.
+place. Where the pass can time (a GPU with Triton), it does so only where the kernel with the activation,
+tuned with it (configs of its own, ``gemv_configs(glu=True)``), takes less time than the activation's
+kernel and the plain product (``kernels.gemv.glu_pays``); elsewhere (the CPU, fake tensors) always. Off
+by default: on an H100 (benchmarks/results/split_glu_h100_20261207) the GLU kernel lost its own tuning to
+cuBLAS at 8 and 64 rows of a 7B-sized down projection, and at one row it took 37.2 µs against the plain
+kernel's 33.7 (then taken by a timing that counted the activation's launch twice: the forward 609 ->
+621 µs, since fixed); at one row of the 1B's, 16.0 against 13.4 + 2.1. Before the timing (2026-12-05,
+the plain product's config reused) a 7B-sized stack took 1320 µs at 1 and 8 tokens against 672 and 685.
 
 ``pdl=True``: the kernels are launched with programmatic dependent launch where the GPU has it
 (``kernels/pdl.py``: each starts while the kernel ahead finishes, prefetching its weight into L2);
