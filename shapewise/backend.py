@@ -74,7 +74,7 @@ def build_pipeline(
     a trace that fixes each of these dims at that size (``fixed``: a decode trace) is not split,
     ``splitting_ops`` split the others."""
     if whole_traces is not None and not (isinstance(whole_traces, Mapping) and all(
-            isinstance(n, str) and isinstance(v, int) for n, v in whole_traces.items())):
+            isinstance(n, str) and isinstance(v, int) and not isinstance(v, bool) for n, v in whole_traces.items())):
         raise ConfigError(f"whole_traces must map dim names to sizes (e.g. {{'seq': 1}}), got {whole_traces!r}")
     whole = bool(whole_traces) and all((fixed or {}).get(n) == v for n, v in whole_traces.items())
     passes: list[Any] = [

@@ -221,7 +221,7 @@ class DecodeGemv(GraphPass):
             shapes.append(shape)
             pdl = (True,) if self.pdl else ()
             gated = _gated(x) if self.glu else None
-            if gated is not None and not _glu_wanted(shape):
+            if gated is not None and not _glu_wanted(shape, self.pdl):
                 gated = None
             with gm.graph.inserting_before(node):
                 if gated is None:
@@ -325,7 +325,7 @@ def _can_tune(device: torch.device, n: Any) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def _glu_wanted(shape: tuple) -> bool:
+def _glu_wanted(shape: tuple, pdl: bool = False) -> bool:
     """Whether a gated product of this (rows, N, K, dtype, bias, device) becomes ``gemv_glu``: where it can be
     timed, only if the kernel with the activation beats the plain product and the activation's kernel
     (``kernels.gemv.glu_pays``); elsewhere (the CPU, fake tensors) it does, as asked (the op then decides
@@ -333,7 +333,7 @@ def _glu_wanted(shape: tuple) -> bool:
     if not _can_tune(shape[-1], shape[1]):
         return True
     try:
-        return glu_pays(*shape)
+        return glu_pays(*shape, linear=not kernel_always(pdl, shape[-1]))
     except Exception as e:  # noqa: BLE001 - a timing that fails keeps the plain product, never a failed compile
         log.warning("shapewise: DecodeGemv could not time silu(x) * up in the kernel for rows=%d weight=[%d, %d] "
                     "(%s: %s); the activation stays a kernel of its own", shape[0], shape[1], shape[2],

@@ -99,15 +99,19 @@ def _kept_here(session: Any, pieces: Sequence[Piece], order: list[tuple[int, int
     """The variants at the traced sizes ``now`` the session compiles itself: all of them, but where
     several distinct static keys a worker could take are at those sizes, only the largest piece's
     (its graph's node count standing for its compile time); the others go to the workers first."""
+    from shapewise.lower.compile import reads_values
+
     at_now = [(i, j) for i, j in order if is_now(pieces[i].variants[j].binding, now)]
     if len(at_now) < 2 or session.cache is None:
         return set(at_now)
-    keys: dict[str, list[tuple[int, int]]] = {}
+    keys: dict[str, list[tuple[int, int]]] = {}  # what a worker could take: as start_workers would send it
     for i, j in at_now:
         piece, variant = pieces[i].as_compiled_for(pieces[i].variants[j]), pieces[i].variants[j]
+        if variant.inductor_passes or reads_values(piece.gm):
+            continue
         key, disk = session.variant_key(piece, variant)
-        if key is not None and disk and not variant.inductor_passes and not (session.lower.dedupe and key in
-                                                                             session._memo):
+        if key is not None and disk and not (session.lower.dedupe and key in session._memo) \
+                and not session.cache.path(key).exists():
             keys.setdefault(key, []).append((i, j))
     if len(keys) < 2:
         return set(at_now)

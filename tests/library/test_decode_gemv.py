@@ -369,7 +369,7 @@ def test_the_activation_goes_into_the_kernel_only_where_its_timing_says_it_pays(
     decode_gemv = importlib.import_module("shapewise.library.decode_gemv")
     asked = []
     monkeypatch.setattr(decode_gemv, "_can_tune", lambda device, n: True)
-    monkeypatch.setattr(decode_gemv, "glu_pays", lambda *shape: asked.append(shape[:3]) or pays)
+    monkeypatch.setattr(decode_gemv, "glu_pays", lambda *shape, linear: asked.append((*shape[:3], linear)) or pays)
     monkeypatch.setattr(decode_gemv, "tune", lambda *a, **kw: None)
     torch.manual_seed(0)
     model = GatedMlp()
@@ -378,7 +378,7 @@ def test_the_activation_goes_into_the_kernel_only_where_its_timing_says_it_pays(
         x = torch.randn(3, 32)
         assert_same(fast(x), model(x), "n=3")
     code = next(v.gm for r in fast.runnables for p in r.program.compute_pieces for v in p.variants).code
-    assert asked == [(3, 32, 64)]
+    assert asked == [(3, 32, 64, True)]  # (linear: the kernel or F.linear, as timed; without PDL)
     assert code.count("shapewise.gemv_glu.default") == int(pays) and ("silu" in code) is not pays, code
 
 

@@ -484,18 +484,22 @@ def test_a_failed_capture_is_kept_for_good_its_pool_routing_ended_and_released(m
     assert calls == [("end", 1, (0, 7)), ("release", 1, (0, 7)), ("end", 0, (0, 9))]
 
 
-@pytest.mark.parametrize("glu_ms, pays", [(1.4, True), (1.6, False), (None, False)])
-def test_silu_times_up_goes_into_the_kernel_only_where_it_beats_the_plain_product_and_the_activation(
-        store, monkeypatch, glu_ms, pays):
-    # The plain product's fastest config takes 1 ms, the activation's kernel 0.5: the kernel with the
-    # activation must take at most 1.5. glu_ms None: every GLU config slower than F.linear(silu(x) * up)
-    # (5 ms), so its own tuning chose F.linear: no kernel to time.
+@pytest.mark.parametrize("glu_ms, silu_ms, pays", [(1.4, 0.5, True), (1.5, 0.5, True), (1.6, 0.5, False),
+                                                     (None, 0.5, False), (1.4, float("inf"), False)])
+def test_silu_times_up_goes_into_the_kernel_only_where_it_beats_the_activation_and_the_plain_product(
+        store, monkeypatch, glu_ms, silu_ms, pays):
+    # The plain product's fastest config takes 1 ms, the activation's kernel silu_ms (timed with the product
+    # after it, in one call): the kernel with the activation (its own fastest config, another one) must take
+    # at most 1 + silu_ms. glu_ms None: every GLU config slower than F.linear(silu(x) * up) (5 ms), so its
+    # own tuning chose F.linear: no kernel to time. silu_ms inf: that timing failed: never taken.
     def kernel_ms(what, rows):
-        if isinstance(what, tuple):
-            return 9.0 if glu_ms is None else glu_ms if what[1] == gpu.fastest else 3.0
+        if isinstance(what, tuple):  # ("glu", config)
+            return 9.0 if glu_ms is None else glu_ms if what[1] == glu_fastest else 3.0
         return 1.0 if what == gpu.fastest else 2.0
 
-    gpu = StandInGpu(monkeypatch, kernel_ms=kernel_ms)
+    gpu = StandInGpu(monkeypatch, kernel_ms=kernel_ms, silu_ms=silu_ms)
+    glu_fastest = gemv.gemv_configs(SHAPE["n"], SHAPE["k"], 132, glu=True)[1]
+    assert glu_fastest != gpu.fastest
     monkeypatch.setattr(gemv, "_GLU_PAYS", {})
     monkeypatch.setattr(gemv, "GLU_DECISIONS", [])
     assert gemv.glu_pays(**SHAPE, device="cpu") is pays
@@ -503,9 +507,17 @@ def test_silu_times_up_goes_into_the_kernel_only_where_it_beats_the_plain_produc
     assert gemv.glu_pays(**SHAPE, device="cpu") is pays and sum(gpu.benched.values()) == timed  # asked once
     (decision,) = gemv.GLU_DECISIONS  # every answer recorded, the one without a GLU kernel too
     assert decision["pays"] is pays and (decision["glu_config"] == "F.linear") is (glu_ms is None)
-    # both tunings are kept apart: the plain product's config is the plain kernel's winner
+    # the two tunings are kept apart: each product's own winner
     assert gemv.tune(**SHAPE, device="cpu") == gpu.fastest
     if glu_ms is not None:
-        assert gemv.tune(**SHAPE, device="cpu", glu=True) == gpu.fastest
-        assert decision["unfused_us"] == 1500.0  # silu, then the plain kernel's winner, in one timed call
+        assert gemv.tune(**SHAPE, device="cpu", glu=True) == glu_fastest
+        if silu_ms == 0.5:
+            assert decision["unfused_us"] == 1500.0  # silu, then the plain kernel's winner, in one timed call
         assert gpu.benched[(("silu", gpu.fastest), SHAPE["rows"])] == 1
+
+
+def test_with_tuning_off_the_activation_stays_a_kernel_of_its_own_untimed(store, monkeypatch):
+    gpu = StandInGpu(monkeypatch)
+    monkeypatch.setenv("SHAPEWISE_GEMV_TUNE", "0")
+    monkeypatch.setattr(gemv, "_GLU_PAYS", {})
+    assert gemv.glu_pays(**SHAPE, device="cpu") is False and not gpu.benched

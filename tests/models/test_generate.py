@@ -418,7 +418,7 @@ def test_whole_traces_split_the_prompt_trace_and_compile_decode_whole():
     assert fast.traces == 2
 
 
-@pytest.mark.parametrize("bad", ["seq", {"seq": "1"}, {1: 1}])
+@pytest.mark.parametrize("bad", ["seq", {"seq": "1"}, {1: 1}, {"seq": True}])
 def test_whole_traces_must_map_dim_names_to_sizes(bad):
     with pytest.raises(sw.ConfigError, match="whole_traces must map dim names to sizes"):
         sw.compile(torch.nn.Linear(4, 4), sizes=[2], whole_traces=bad)

@@ -40,6 +40,7 @@ import hashlib
 import inspect
 import logging
 import marshal
+import math
 import os
 import threading
 import time
@@ -338,29 +339,40 @@ def _tune(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, up: torch.Te
     return best if best_ms < float("inf") else None
 
 
-_GLU_PAYS: dict[tuple, bool] = {}  # (rows, N, K, dtype, bias, device) -> glu_pays' answer, in this process
+_GLU_PAYS: dict[tuple, bool] = {}  # (rows, N, K, dtype, bias, device, linear) -> glu_pays' answer, in this process
+_GLU_LOCK = threading.Lock()
 GLU_DECISIONS: list[dict] = []  # glu_pays' timings in this process (what the benchmarks report), one a shape
 
 
 def glu_pays(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: bool = False,
-             device: torch.device | str = "cuda") -> bool:
+             device: torch.device | str = "cuda", *, linear: bool = True) -> bool:
     """Whether ``gemv_glu``'s kernel (``silu(x) * up`` computed as it loads x) takes less time than
     what runs without it: an activation kernel, then the plain product as its tuning chose it (the
-    kernel or ``F.linear``). Both timed as ``time_calls`` times the tuner's, in one call each (the
-    activation as ``F.silu(x)``, one kernel, as Inductor fuses silu and the product into one), so a
-    replay's launch cost weighs on both alike: timed apart, the activation's share of it was counted
-    twice (an H100, 2026-12-07: 6.5 µs for a 22 KB activation, and a GLU kernel 3.5 µs slower than the
-    plain one taken as paying; the forward was 12 µs slower). Once per shape in a process (memory only;
-    the tunings it starts from are on disk). False where the GLU kernel's own tuning chose ``F.linear``.
-    Every answer is in ``GLU_DECISIONS``. Needs the kernel's device, as ``tune``."""
+    kernel or ``F.linear``; ``linear=False``: the weight's kernel config for both, as the ops run under
+    PDL). Both timed as ``time_calls`` times the tuner's, in one call each (the activation as
+    ``F.silu(x)``, one kernel, as Inductor fuses silu and the product into one), so a replay's launch
+    cost weighs on both alike: timed apart, the activation's share of it was counted twice (an H100,
+    2026-12-07: 6.5 µs for a 22 KB activation; a GLU kernel 3.5 µs slower taken, the forward 12 µs slower).
+    Once per shape in a process (memory only: a close call may go another way in another process). False where
+    the GLU kernel's own tuning chose ``F.linear``, a timing failed, or tuning is off
+    (``SHAPEWISE_GEMV_TUNE=0``). Every answer is in ``GLU_DECISIONS``. Needs the kernel's device, as ``tune``."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (rows, n, k, dtype, bias, device)
-    if key in _GLU_PAYS:
+    key = (rows, n, k, dtype, bias, device, linear)
+    with _GLU_LOCK:  # (then the tuner's lock, inside tune() and below: always in that order)
+        if key not in _GLU_PAYS:
+            _GLU_PAYS[key] = _time_glu(rows, n, k, dtype, bias, device, linear)
         return _GLU_PAYS[key]
-    glu_cfg, plain_cfg = tune(rows, n, k, dtype, bias, device, glu=True), tune(rows, n, k, dtype, bias, device)
-    glu_ms = unfused_ms = float("nan")
+
+
+def _time_glu(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, device: torch.device, linear: bool) -> bool:
+    """``glu_pays``' answer, timed (under ``_GLU_LOCK``); recorded in ``GLU_DECISIONS``."""
+    glu_cfg = plain_cfg = None
+    glu_ms = unfused_ms = float("inf")
+    if os.environ.get("SHAPEWISE_GEMV_TUNE", "1") != "0":
+        glu_cfg = tune(rows, n, k, dtype, bias, device, glu=True, linear=linear)
+        plain_cfg = tune(rows, n, k, dtype, bias, device, linear=linear)
     if glu_cfg is not None:
         x, w, b, up = _random_tensors(rows, n, k, dtype, bias, device, glu=True)
 
@@ -375,14 +387,13 @@ def glu_pays(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bia
                 unfused_ms = _time(unfused, "the activation, then the product", w)
             finally:
                 gemv_timing.drop_copies()
-    pays = glu_ms <= unfused_ms  # (False where either is nan: no GLU config, or a timing that failed)
+    pays = math.isfinite(glu_ms) and math.isfinite(unfused_ms) and glu_ms <= unfused_ms  # (inf: not timed, or failed)
     GLU_DECISIONS.append({"rows": rows, "n": n, "k": k, "glu_us": round(glu_ms * 1e3, 2),
                           "glu_config": str(glu_cfg or "F.linear"), "unfused_us": round(unfused_ms * 1e3, 2),
                           "plain_config": str(plain_cfg or "F.linear"), "pays": pays})
     log.info("shapewise gemv: silu(x) * up in the kernel %s at rows=%d weight=[%d, %d]: %.1f us (%s) against %.1f us "
              "(the activation's kernel, then %s)", "pays" if pays else "does not pay", rows, n, k, glu_ms * 1e3,
              glu_cfg or "F.linear", unfused_ms * 1e3, plain_cfg or "F.linear")
-    _GLU_PAYS[key] = pays
     return pays
 
 
