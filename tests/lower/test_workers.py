@@ -95,6 +95,28 @@ def test_the_sessions_static_compiles_go_to_the_workers_and_come_back_through_th
     assert InlinePool.made == [] and {r["source"] for r in again.report()} == {"cache"}
 
 
+def test_a_traced_size_whose_largest_piece_is_on_disk_keeps_its_other_piece_here(tmp_path, monkeypatch):
+    # Of the traced size's pieces only those a worker could take count: with the larger one's artifact on
+    # disk (a load) and the smaller's not, the session compiles the smaller itself, sending nothing.
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", InlinePool)
+    InlinePool.made, InlinePool.fail = [], set()
+    model = _model()
+    first = sw.compile(model, sizes=[1], splitting_ops=[ATTENTION_OP], cache=tmp_path, compile_workers=1,
+                       progress=False)
+    _check(first, model, sizes=(1,))
+    pieces = first.runnables[0].program.compute_pieces
+    smaller = min(pieces, key=lambda p: len(p.gm.graph.nodes)).name
+    (gone,) = [r["artifact"] for r in first.report() if r["piece"] == smaller]
+    (path,) = (tmp_path / "v1").glob(f"*/{gone}*.swa")
+    path.unlink()
+    again = sw.compile(_model(), sizes=[1], splitting_ops=[ATTENTION_OP], cache=tmp_path, compile_workers=2,
+                       progress=False)
+    _check(again, model, sizes=(1,))
+    assert {r["piece"]: r["source"] for r in again.report()} == \
+        {p.name: "compiled" if p.name == smaller else "cache" for p in pieces}
+    assert InlinePool.made == []
+
+
 def test_pending_variants_load_under_the_traces_grad_mode_by_wait_and_wait_for_workers_waits(tmp_path, monkeypatch):
     # wait() loads every pending variant, under the grad mode of the trace's compile (its key has it:
     # loaded in another, the key would differ and the variant compile again); each one's row says the
