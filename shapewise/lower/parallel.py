@@ -57,23 +57,18 @@ def start_workers(session: Any, pieces: Sequence[Piece], order: list[tuple[int, 
     given first, then the workers' from the far end of their queue (where the session waits for them).
     With ``now`` (None: not a trace's compile) one task is worth a worker (the session compiles the
     traced size meanwhile)."""
-    from shapewise.lower.compile import reads_values
-
     if session.cache is None or session.lower.backend != "inductor":
         return order, {}
+    keys = _worker_keys(session, pieces, order)
+    mine = _kept_here(pieces, order, keys, now)
     tasks: dict[str, bytes] = {}
     sent: dict[tuple[int, int], str] = {}
-    mine = _kept_here(session, pieces, order, now)
     for i, j in sorted(order, key=lambda ij: not is_now(pieces[ij[0]].variants[ij[1]].binding, now)):
-        piece, variant = pieces[i].as_compiled_for(pieces[i].variants[j]), pieces[i].variants[j]
-        if not variant.binding.is_static or variant.inductor_passes or reads_values(piece.gm) or (i, j) in mine:
-            continue
-        key, disk = session.variant_key(piece, variant)
-        if key is None or not disk or (session.lower.dedupe and key in session._memo):
+        key = keys.get((i, j))
+        if key is None or (i, j) in mine:
             continue
         if key not in tasks:
-            if session.cache.path(key).exists():
-                continue
+            piece, variant = pieces[i].as_compiled_for(pieces[i].variants[j]), pieces[i].variants[j]
             names = piece.shapes.names if piece.shapes else {}
             data = task_bytes(key, piece.gm, variant.example_args, session.options(piece, variant),
                               {"piece": piece.name, "binding": variant.binding.describe(names),
@@ -94,29 +89,38 @@ def start_workers(session: Any, pieces: Sequence[Piece], order: list[tuple[int, 
                                                             key=lambda ij: -queue_place[sent[ij]]), sent
 
 
-def _kept_here(session: Any, pieces: Sequence[Piece], order: list[tuple[int, int]],
-               now: Mapping[sympy.Symbol, int] | None) -> set[tuple[int, int]]:
-    """The variants at the traced sizes ``now`` the session compiles itself: all of them, but where
-    several distinct static keys a worker could take are at those sizes, only the largest piece's
-    (its graph's node count standing for its compile time); the others go to the workers first."""
+def _worker_keys(session: Any, pieces: Sequence[Piece], order: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    """{(piece, variant) position: its cache key} for the variants a worker could compile: static, with no
+    Inductor passes, not reading values, keyed on disk, neither compiled in this process (dedupe) nor on
+    disk already."""
     from shapewise.lower.compile import reads_values
 
-    at_now = [(i, j) for i, j in order if is_now(pieces[i].variants[j].binding, now)]
-    if len(at_now) < 2 or session.cache is None:
-        return set(at_now)
-    keys: dict[str, list[tuple[int, int]]] = {}  # what a worker could take: as start_workers would send it
-    for i, j in at_now:
+    out = {}
+    for i, j in order:
         piece, variant = pieces[i].as_compiled_for(pieces[i].variants[j]), pieces[i].variants[j]
-        if variant.inductor_passes or reads_values(piece.gm):
+        if not variant.binding.is_static or variant.inductor_passes or reads_values(piece.gm):
             continue
         key, disk = session.variant_key(piece, variant)
         if key is not None and disk and not (session.lower.dedupe and key in session._memo) \
                 and not session.cache.path(key).exists():
-            keys.setdefault(key, []).append((i, j))
-    if len(keys) < 2:
+            out[i, j] = key
+    return out
+
+
+def _kept_here(pieces: Sequence[Piece], order: list[tuple[int, int]], keys: Mapping[tuple[int, int], str],
+               now: Mapping[sympy.Symbol, int] | None) -> set[tuple[int, int]]:
+    """The variants at the traced sizes ``now`` the session compiles itself: all of them, but where
+    several distinct keys a worker could take (``keys``) are at those sizes, only the largest piece's
+    (its graph's node count standing for its compile time); the others go to the workers first."""
+    at_now = [(i, j) for i, j in order if is_now(pieces[i].variants[j].binding, now)]
+    by_key: dict[str, list[tuple[int, int]]] = {}
+    for ij in at_now:
+        if ij in keys:
+            by_key.setdefault(keys[ij], []).append(ij)
+    if len(by_key) < 2:
         return set(at_now)
-    largest = max(keys.values(), key=lambda ijs: len(pieces[ijs[0][0]].gm.graph.nodes))
-    return set(at_now) - {ij for key, ijs in keys.items() if ijs is not largest for ij in ijs}
+    largest = max(by_key.values(), key=lambda ijs: len(pieces[ijs[0][0]].gm.graph.nodes))
+    return set(at_now) - {ij for ijs in by_key.values() if ijs is not largest for ij in ijs}
 
 
 class PendingVariant:

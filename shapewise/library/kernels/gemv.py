@@ -83,9 +83,8 @@ _STATS_LOCK = threading.Lock()
 _BUSY = object()  # with wait=False: another process holds the file lock of the tune we need
 
 
-def _key(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, glu: bool = False) -> tuple:
-    """(rows, N, K, dtype, bias?, device index), and "glu" last for the kernel of ``silu(x) * up``."""
-    return (x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, x.device.index, *(("glu",) if glu else ()))
+def _shape_key(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, index: int | None, glu: bool) -> tuple:
+    return (rows, n, k, dtype, bias, index, *(("glu",) if glu else ()))  # "glu": the kernel of silu(x) * up
 
 
 def gemv_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *,
@@ -94,7 +93,8 @@ def gemv_config(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     ``F.linear`` wins or no config compiled). ``linear=False``: the weight's fastest config, never
     ``F.linear`` (as with ``pdl=True``). ``up``: for the product of ``silu(x) * up`` (``gemv_glu``), tuned
     apart from the plain product, the activation in the kernel, against ``F.linear(F.silu(x) * up)``."""
-    return _config(_key(x, w, b, up is not None), x.device, lambda: (x, w, b, up), linear=linear)
+    key = _shape_key(x.shape[0], w.shape[0], w.shape[1], x.dtype, b is not None, x.device.index, up is not None)
+    return _config(key, x.device, lambda: (x, w, b, up), linear=linear)
 
 
 def tune(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: bool = False,
@@ -116,7 +116,7 @@ def tune(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bias: b
 
     on = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with torch.no_grad(), on:
-        return _config((rows, n, k, dtype, bias, device.index, *(("glu",) if glu else ())), device,
+        return _config(_shape_key(rows, n, k, dtype, bias, device.index, glu), device,
                        functools.partial(_random_tensors, rows, n, k, dtype, bias, device, glu), wait, linear)
 
 
@@ -269,7 +269,8 @@ def _precompile(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, up: to
             with torch.cuda.device(x.device):  # Triton compiles for, and caches under, the current device
                 _launch(x, w, b, cfg, warmup=True, up=up)
         except Exception as e:  # noqa: BLE001 - reported when the config is timed
-            log.debug("shapewise gemv: config %s did not compile for %s: %s", cfg, _key(x, w, b, up is not None), e)
+            log.debug("shapewise gemv: config %s did not compile for x=%s weight=%s: %s", cfg, tuple(x.shape),
+                      tuple(w.shape), e)
 
     with ThreadPoolExecutor(workers, thread_name_prefix="shapewise-gemv-compile") as pool:
         list(pool.map(compile_one, configs))
@@ -353,14 +354,13 @@ def glu_pays(rows: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, bia
     ``F.silu(x)``, one kernel, as Inductor fuses silu and the product into one), so a replay's launch
     cost weighs on both alike: timed apart, the activation's share of it was counted twice (an H100,
     2026-12-07: 6.5 µs for a 22 KB activation; a GLU kernel 3.5 µs slower taken, the forward 12 µs slower).
-    Once per shape in a process (memory only: a close call may go another way in another process). False where
-    the GLU kernel's own tuning chose ``F.linear``, a timing failed, or tuning is off
-    (``SHAPEWISE_GEMV_TUNE=0``). Every answer is in ``GLU_DECISIONS``. Needs the kernel's device, as ``tune``."""
+    Once per shape a process (memory only). False where the GLU kernel's tuning chose ``F.linear``, a timing
+    failed, or ``SHAPEWISE_GEMV_TUNE=0``. Answers in ``GLU_DECISIONS``. Needs the kernel's device, as ``tune``."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (rows, n, k, dtype, bias, device, linear)
-    with _GLU_LOCK:  # (then the tuner's lock, inside tune() and below: always in that order)
+    key = (rows, n, k, dtype, bias, device, linear)  # (_GLU_LOCK, then the tuner's lock: always that order)
+    with _GLU_LOCK:
         if key not in _GLU_PAYS:
             _GLU_PAYS[key] = _time_glu(rows, n, k, dtype, bias, device, linear)
         return _GLU_PAYS[key]
