@@ -276,15 +276,15 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     cache 20 of those 25 are right (benchmarks/results/sweep_cpu_static_fallback).
     ``static_cache="force"`` uses the static cache on those too. ``direct_call`` (default True):
     calls past Dynamo's frame where a trace allows them. ``splitting_ops``: by default the graph is split at SDPA (each
-    piece compiles and, with piecewise CUDA graphs, is captured on its own), except under
-    ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from
-    fusing across the attention: there the forward is one piece (on the H200 at Llama-3.2-1B
-    shapes, 297 kernels a decode step against 342, as transformers' recipe;
-    benchmarks/results/decode_h200). With ``whole_traces={"seq": 1}`` beside ``splitting_ops`` (a pipeline
-    option, ``sw.compile``'s too) the decode trace (seq fixed at one token) stays whole and only the prompt
-    trace is split: its pieces, the same in every layer, compile once a size (the dedupe), not the whole
-    forward once a size (an H100, the 1B: the serial cold start 53.1 against 68.1 s, the decode step the
-    same program; benchmarks/results/split_glu_h100_20261207). ``fuse_projections``: pack each module's sibling linear
+    piece compiles and, with piecewise CUDA graphs, is captured on its own). Under
+    ``cudagraphs="full"`` (or ``{"mode": "full", ...}``), where a split only keeps Inductor from fusing across
+    the attention, the decode trace stays whole by default (``whole_traces={"seq": 1}``, a pipeline option,
+    ``sw.compile``'s too: a trace that fixes seq at one token is one piece; on the H200 at Llama-3.2-1B shapes,
+    297 kernels a decode step against 342 split, as transformers' recipe; benchmarks/results/decode_h200) and
+    only the prompt trace is split: its pieces, the same in every layer, compile once a size (the dedupe), not
+    the whole forward once a size (an H100, the 1B: the serial cold start 44.0 against 68.2 s, 32.4 s with 4
+    compile workers; benchmarks/results/default_split_h100_20261207). ``splitting_ops=()`` keeps every trace
+    whole; ``whole_traces={}`` splits the decode trace too. ``fuse_projections``: pack each module's sibling linear
     layers into one buffer (``sw.library.pack_projections``: the model's parameters become views
     into it, in place) and run ``sw.library.FuseProjections`` first among the graph passes, so q,
     k, v (and gate, up) are one matmul each. By default (None) on where the steps replay CUDA
@@ -452,7 +452,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     if combo_kernels:
         options["static_options"] = {"combo_kernels": True, **(options.get("static_options") or {})}
     if splitting_ops is None:
-        splitting_ops = () if full else ("sdpa",)
+        splitting_ops = ("sdpa",)
+        if full:  # the decode trace whole (one graph a step), the prompt trace's pieces deduped
+            options.setdefault("whole_traces", {"seq": 1})
     fast = ShapewiseModule(model.forward, sizes=sizes, ranges=ranges, dynamic_dims=dims,
                            splitting_ops=splitting_ops, **options)
     if grows:

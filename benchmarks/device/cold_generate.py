@@ -21,7 +21,8 @@ and whether its calls were direct); ``--profile`` adds a cProfile of each warm s
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,6 --repeats 1
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,4,2,4/1  # 4/1: 1 thread a worker
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,1+sdpa,1+sdpa:prefill
-    # +sdpa: split at attention; +sdpa:prefill: the prompt trace split, decode's whole (whole_traces={"seq": 1})
+    # +sdpa: split at attention; +sdpa:prefill: the prompt trace split, decode's whole (whole_traces={"seq": 1},
+    # compile_generate's default under full graphs since 2026-12-07); +none: every trace whole (splitting_ops=())
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 
@@ -82,7 +83,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     cpu_as_gpu = dict(splitting_ops=(), fuse_projections=True, batch_updates=True) if cpu_layers else {}
     if os.environ.get("BENCH_SPLIT"):  # --workers W+sdpa: the graph split at these ops (full graphs: none)
         ops, _, whole = os.environ["BENCH_SPLIT"].partition(":")
-        cpu_as_gpu["splitting_ops"] = tuple(ops.split("+"))
+        cpu_as_gpu["splitting_ops"] = () if ops == "none" else tuple(ops.split("+"))
         if whole == "prefill":  # W+sdpa:prefill: the prompt trace split, the decode trace (seq=1) whole
             cpu_as_gpu["whole_traces"] = {"seq": 1}
     t = time.perf_counter()
@@ -120,6 +121,16 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             if not cpu_layers:
                 torch.cuda.synchronize()
             per_token.append((time.perf_counter() - t) / 32)
+        # the same prompt's prefill alone (one new token), median of 5: the decode per token is the rest
+        first = []
+        for _ in range(5):
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            if not cpu_layers:
+                torch.cuda.synchronize()
+            first.append(time.perf_counter() - t)
+        if os.environ.get("BENCH_PROFILE"):  # a torch.profiler table of one generate() of 32 tokens
+            _profile_generate(model, ids, os.environ["BENCH_PROFILE"], cpu_layers)
         # and the prefill of the longest prompt size: generate() of one new token (its prefill alone), median of 5
         long_ids = torch.randint(0, 200, (1, SIZES[-1]), device=device)
         prefill = []
@@ -144,10 +155,43 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "token_check": token_check(got[0, ids.shape[1]:], want[0, ids.shape[1]:], eager.logits),
             "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
             "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3),
+            f"prefill{ids.shape[1]}_ms": round(sorted(first)[2] * 1e3, 3),
+            "decode_ms_per_token": round((sorted(per_token)[1] * 32 - sorted(first)[2]) / 31 * 1e3, 3),
             f"prefill{SIZES[-1]}_ms": round(sorted(prefill)[2] * 1e3, 3), "direct_info": fast.direct_info,
             "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats(),
             "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
             "splitting_ops": os.environ.get("BENCH_SPLIT", "default")}
+
+
+def _profile_generate(model, ids, path: str, cpu_layers: int) -> None:
+    """torch.profiler over one ``generate()`` of 32 tokens: the GPU's events (count and µs by name, the
+    largest 40) and the host's top-level ops (count and self µs by name), as JSON at ``path``."""
+    from collections import Counter
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([] if cpu_layers else [ProfilerActivity.CUDA])
+    with torch.no_grad(), profile(activities=acts) as prof:
+        model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        if not cpu_layers:
+            torch.cuda.synchronize()
+    gpu_n: Counter[str] = Counter()
+    gpu_us: Counter[str] = Counter()
+    host_n: Counter[str] = Counter()
+    host_us: Counter[str] = Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu_n[e.name] += 1
+            gpu_us[e.name] += e.device_time
+        elif e.cpu_parent is None:
+            host_n[e.name] += 1
+            host_us[e.name] += e.cpu_time_total
+    Path(path).write_text(json.dumps({
+        "gpu_events": sum(gpu_n.values()), "gpu_us": round(sum(gpu_us.values()), 1),
+        "gpu_by_name": [[n, gpu_n[n], round(t, 1)] for n, t in gpu_us.most_common(40)],
+        "host_top_level_us": round(sum(host_us.values()), 1),
+        "host_by_name": [[n, host_n[n], round(t, 1)] for n, t in host_us.most_common(40)]}, indent=1))
 
 
 def token_check(got, want, logits) -> str:
@@ -172,7 +216,7 @@ def main() -> None:
     ap.add_argument("--workers", default="1,4",
                     help="compile_workers per start, in order; W/T: T Inductor compile threads in each worker (else "
                          "shapewise's share of the CPUs); a suffix +op(+op...): splitting_ops=(op, ...), e.g. 1+sdpa; "
-                         "+sdpa:prefill: the decode trace whole (whole_traces={'seq': 1})")
+                         "+sdpa:prefill: the decode trace whole (whole_traces={'seq': 1}); +none: splitting_ops=()")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=200)
     ap.add_argument("--child", type=int, default=None)
@@ -185,6 +229,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="with --warm: a cProfile of each warm start's first generate() under --out")
     ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's
+    ap.add_argument("--torch-profile", action="store_true",
+                    help="a torch.profiler table (GPU events, host ops) of each start's generate() of 32 tokens")
     ap.add_argument("--cpu-layers", type=int, default=0,
                     help="on the CPU: the tiny Llama with this many layers instead of the 1B on the GPU")
     args = ap.parse_args()
@@ -210,6 +256,9 @@ def main() -> None:
                     env["BENCH_WORKER_THREADS"] = threads
                 if split:
                     env["BENCH_SPLIT"] = split
+                if args.torch_profile:
+                    tag = f"{entry}+{split}" if split else entry
+                    env["BENCH_PROFILE"] = str(out / f"profile_{len(results)}_{tag}.json")
                 row = _run_child(args, env, int(w), False)
                 row["worker_threads"] = threads or "auto"
                 results.append(row)

@@ -187,6 +187,10 @@ def test_fp32_decode_by_default_in_full_cuda_graphs_gives_eagers_tokens(name):
              for n in (var.gm or p.gm).graph.nodes]
     assert sum(n.target is torch.ops.shapewise.decode_attention.default for n in nodes) == \
         model.config.num_hidden_layers
+    # and by default the decode step is one piece (one graph), the prompt split at SDPA (whole_traces={"seq": 1})
+    rows = list(fast.report())
+    assert len({r["piece"] for r in rows if r["key"] == "{seq=1}"}) == 1, rows
+    assert len({r["piece"] for r in rows if r["key"] == "{seq=8}"}) > 1, rows
 
 
 @pytest.mark.gpu
