@@ -14,6 +14,7 @@ limit, so one model cannot stop the sweep). ``--out DIR`` writes ``sweep.jsonl``
     python benchmarks/sweep_architectures.py --parts generate --fuse-projections           # FuseProjections on
     python benchmarks/sweep_architectures.py --parts generate --grouped-decode             # GroupedDecodeAttention on
     python benchmarks/sweep_architectures.py --parts generate --static-cache --warm-start  # saved traces reloaded
+    python benchmarks/sweep_architectures.py --parts generate --static-cache --keep-cache  # one cache, kept
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ def check(model_type: str, parts: tuple[str, ...] = ("forward", "generate")) -> 
                 extra.update(graph_passes=[sw.library.GroupedDecodeAttention()], splitting_ops=())
             if os.environ.get("SWEEP_STATIC_CACHE") == "1":
                 extra["static_cache"] = True
+            if os.environ.get("SWEEP_KEEP_CACHE") == "1":  # generate()'s default where steps replay CUDA graphs
+                extra["keep_cache"] = True
             warm_dir = os.environ.get("SWEEP_WARM_START")
             if warm_dir:  # a cold start that saves its traces, then a second start that should load them
                 extra.update(warm_start=True, cache=os.path.join(warm_dir, model_type))
@@ -310,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grouped-decode", action="store_true",
                     help="compile_generate(graph_passes=[GroupedDecodeAttention()], splitting_ops=())")
     ap.add_argument("--static-cache", action="store_true", help="compile_generate(static_cache=True)")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="compile_generate(keep_cache=True): one static cache kept across calls (with --static-cache)")
     ap.add_argument("--warm-start", action="store_true",
                     help="compile_generate(warm_start=True): a cold start, then a second start that loads its traces")
     ap.add_argument("--update", action="store_true",
@@ -323,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["SWEEP_GROUPED_DECODE"] = "1"
     if args.static_cache:
         os.environ["SWEEP_STATIC_CACHE"] = "1"
+    if args.keep_cache:
+        os.environ["SWEEP_KEEP_CACHE"] = "1"
     if args.warm_start:
         import tempfile
 

@@ -145,13 +145,15 @@ def _keeps_outputs(model: torch.nn.Module, kwargs: dict) -> str | None:
 
 
 def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_stop: bool = False,
-                        graph_masks: bool = False) -> Any:
+                        graph_masks: bool = False, keep_cache: bool = False) -> Any:
     """``model.generate`` that runs inside ``borrowed_outputs()`` (the CUDA graphs' logits not
     copied per step; ``borrow``) where the call keeps no output tensor (``_keeps_outputs``, on its
     arguments bound by name: a positional ``generation_config`` counts), inside
     ``_compat.deferred_stop_checks()`` (``defer_stop``: on a CUDA model, whether to stop is read one
     step late, so the host is never held at a step's end waiting for the GPU) and inside
-    ``_compat.masks_in_graph()`` (``graph_masks``: an unpadded call's masks built in the graph)."""
+    ``_compat.masks_in_graph()`` (``graph_masks``: an unpadded call's masks built in the graph) and inside
+    ``_compat.kept_static_cache()`` (``keep_cache``: one static cache from call to call; a call that returns
+    its cache returns a copy)."""
     generate = model.generate
     try:
         signature = inspect.signature(generate)
@@ -177,11 +179,14 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
                 named = by_name(args, kwargs)
                 if named is not None and _keeps_outputs(model, named) is None:
                     scope.enter_context(borrowed_outputs())
+            if keep_cache:
+                scope.enter_context(_compat.kept_static_cache(model))
             if defer_stop:
                 scope.enter_context(_compat.deferred_stop_checks())
             if in_graph:
                 scope.enter_context(_compat.masks_in_graph(model))
-            return generate(*args, **kwargs)
+            out = generate(*args, **kwargs)
+        return _compat.copy_of_kept_cache(model, out) if keep_cache else out
 
     @functools.wraps(generate)
     def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
@@ -214,6 +219,7 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
     generate_shapewise.shapewise_borrows = borrow
     generate_shapewise.shapewise_defers_stop = defer_stop
     generate_shapewise.shapewise_graph_masks = graph_masks
+    generate_shapewise.shapewise_keeps_cache = keep_cache
     return generate_shapewise
 
 
@@ -259,6 +265,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
                      batch_updates: bool | None = None, decode_gemv: bool | None = None,
                      defer_stop: bool | None = None, pdl: bool = False, graph_masks: bool = False,
+                     keep_cache: bool | None = None,
                      **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
@@ -345,6 +352,12 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     compile (OPT derives its positions from the mask's length, the static cache's length read as a
     value) fails its first compile without it: ``generate()`` then says so in a warning and runs with
     transformers' masks, for that call and every later one.
+    ``keep_cache``: with a static cache, ``generate()`` uses one cache the model keeps (``_compat.kept_static_cache``),
+    not transformers' new one per call, whose tensors move: each call captured its decode graph again (an H100,
+    the 1B, every trace whole: 2.45 ms a decode token of a 32-token ``generate()`` against 1.44 split, where the new
+    cache happened to land where the old one was; benchmarks/results/default_split_h100_20261207) and its prefill
+    ran uncaptured. By default (None) on where steps replay CUDA graphs; the kept cache holds its memory, and a
+    call that returns its cache (``return_dict_in_generate``) returns a copy.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
@@ -357,6 +370,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         raise ConfigError(f"max_length must be >= 2 (a prompt and one new token), got {max_length}")
     if not isinstance(graph_masks, bool):
         raise ConfigError(f"graph_masks must be True or False, got {graph_masks!r}")
+    if keep_cache is not None and not isinstance(keep_cache, bool):
+        raise ConfigError(f"keep_cache must be True, False or None, got {keep_cache!r}")
     static_cache = _static_cache_for(model, static_cache)
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
@@ -475,6 +490,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     if graph_masks and own_generate:
         log.warning("shapewise: compile_generate(graph_masks=True) does nothing for a model whose generate() is "
                     "not transformers' own")
-    if (borrow or defer_stop or graph_masks) and not own_generate:
-        model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop, graph_masks=graph_masks)
+    if keep_cache is None:
+        keep_cache = borrow
+    if (borrow or defer_stop or graph_masks or keep_cache) and not own_generate:
+        model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop, graph_masks=graph_masks,
+                                             keep_cache=bool(keep_cache and static_cache))
     return fast

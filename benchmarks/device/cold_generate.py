@@ -22,7 +22,8 @@ and whether its calls were direct); ``--profile`` adds a cProfile of each warm s
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,4,2,4/1  # 4/1: 1 thread a worker
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,1+sdpa,1+sdpa:prefill
     # +sdpa: split at attention; +sdpa:prefill: the prompt trace split, decode's whole (whole_traces={"seq": 1},
-    # compile_generate's default under full graphs since 2026-12-07); +none: every trace whole (splitting_ops=())
+    # compile_generate's default under full graphs since 2026-12-07); +none: every trace whole (splitting_ops=());
+    # +default:nokeep, +none:nokeep: keep_cache=False (transformers' new static cache per generate())
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 
@@ -82,10 +83,13 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     # On the CPU, the programs the GPU's defaults make: full graphs, the projections fused, the input updates batched.
     cpu_as_gpu = dict(splitting_ops=(), fuse_projections=True, batch_updates=True) if cpu_layers else {}
     if os.environ.get("BENCH_SPLIT"):  # --workers W+sdpa: the graph split at these ops (full graphs: none)
-        ops, _, whole = os.environ["BENCH_SPLIT"].partition(":")
-        cpu_as_gpu["splitting_ops"] = () if ops == "none" else tuple(ops.split("+"))
-        if whole == "prefill":  # W+sdpa:prefill: the prompt trace split, the decode trace (seq=1) whole
+        ops, *flags = os.environ["BENCH_SPLIT"].split(":")
+        if ops != "default":
+            cpu_as_gpu["splitting_ops"] = () if ops == "none" else tuple(ops.split("+"))
+        if "prefill" in flags:  # W+sdpa:prefill: the prompt trace split, the decode trace (seq=1) whole
             cpu_as_gpu["whole_traces"] = {"seq": 1}
+        if "nokeep" in flags:  # W+none:nokeep: transformers' new static cache per generate() (keep_cache=False)
+            cpu_as_gpu["keep_cache"] = False
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
                                cudagraphs=False if cpu_layers else "full", compile_workers=workers, progress=False,
@@ -141,6 +145,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
                 torch.cuda.synchronize()
             prefill.append(time.perf_counter() - t)
     rows = list(fast.report())
+    graphs = [p for r in fast.runnables for p in (getattr(getattr(r.runtime, "graphs", None), "pieces", None) or ())]
     from shapewise.library.kernels.gemv import tuning_stats  # DecodeGemv's tuning in this start (compile_s, timing_s)
 
     sources: dict[str, int] = {}
@@ -159,6 +164,10 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "decode_ms_per_token": round((sorted(per_token)[1] * 32 - sorted(first)[2]) / 31 * 1e3, 3),
             f"prefill{SIZES[-1]}_ms": round(sorted(prefill)[2] * 1e3, 3), "direct_info": fast.direct_info,
             "direct_calls": fast.direct_calls, "gemv_tuning": tuning_stats(),
+            # CUDA graphs after every call above: captured, uncaptured (why), captured again (an input moved)
+            "graphs": {"captured": sum(p.graph is not None for p in graphs),
+                       "uncaptured": sorted({f"{p.name}: {p.uncaptured}" for p in graphs if p.uncaptured}),
+                       "recaptures": sum(p.recaptures for p in graphs)},
             "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
             "splitting_ops": os.environ.get("BENCH_SPLIT", "default")}
 

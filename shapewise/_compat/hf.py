@@ -14,12 +14,24 @@ the one it starts from has no padding, so the forward builds its masks itself, i
 graph, as it does when called directly; with a static cache transformers otherwise builds them outside
 the forward, eagerly, at every step (``create_masks_for_generate``: about half of the ~45 ATen ops a
 decode token runs outside the forward on transformers 5.25).
+
+``kept_static_cache(model)``: inside it, ``model.generate()``'s static cache is one that ``model``
+keeps from call to call (zeroed in place: ``reset()``), its layers initialised before the first forward
+(``early_initialization``, as transformers does for a chunked prefill), not a new one per call made inside the
+prefill. transformers makes a new ``StaticCache`` per ``generate()``: a CUDA graph that reads its tensors in place
+is captured again at each call's first decode step (two uncaptured whole-forward calls: ~36 ms a call at the 1B's
+shapes on an H100, 1.0 ms a token of a 32-token ``generate()``), and a cache made by the prefill keeps its
+counter on the host until then, so no prefill is captured. The kept cache's tensors are not marked as static
+addresses (Dynamo would guard on their identity, and a cache given away would trace again): the graphs read
+them in place because they stay where they were. A call that returns its cache (``return_dict_in_generate``)
+hands back a copy (``copy_of_kept_cache``): the kept one is the next call's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 import inspect
 import logging
 import threading
@@ -28,7 +40,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["deferred_stop_checks", "masks_in_graph"]
+__all__ = ["copy_of_kept_cache", "deferred_stop_checks", "kept_static_cache", "masks_in_graph"]
 
 _log = logging.getLogger("shapewise")
 _DEVICES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("shapewise_deferred_stops", default=())
@@ -145,3 +157,82 @@ def _graph_masks_step(model: torch.nn.Module, original):
 
     create_masks_for_generate.shapewise_graph_masks = True
     return create_masks_for_generate
+
+
+# The model whose generate() call is inside kept_static_cache.
+_KEEP: contextvars.ContextVar[torch.nn.Module | None] = contextvars.ContextVar("shapewise_kept_cache", default=None)
+
+
+@contextlib.contextmanager
+def kept_static_cache(model: torch.nn.Module) -> Iterator[bool]:
+    """Inside it, ``model.generate()`` uses the static cache ``model`` keeps (see the module's docstring);
+    yields whether it can: not for an encoder-decoder, a model spread over devices or with heads of their
+    own sizes (``_get_static_cache_init_shape`` says None), nor with a transformers without these steps."""
+    prepare = getattr(model, "_prepare_static_cache", None)
+    init_shape = getattr(model, "_get_static_cache_init_shape", None)
+    if prepare is None or init_shape is None or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        yield False
+        return
+    if not getattr(prepare, "shapewise_kept_cache", False):
+        try:
+            signature = inspect.signature(prepare)
+        except (TypeError, ValueError):
+            yield False
+            return
+        model._prepare_static_cache = _kept_cache_step(model, prepare, signature, init_shape)
+    token = _KEEP.set(model)
+    try:
+        yield True
+    finally:
+        _KEEP.reset(token)
+
+
+def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signature, init_shape):
+    """``model``'s ``_prepare_static_cache`` for ``kept_static_cache``: the kept cache, reset, inside it (for
+    ``model``'s call); ``original`` (transformers') everywhere else."""
+    owner = weakref.ref(model)  # (the model holds this function)
+    kept: dict[tuple, object] = {}  # (cache kind, batch size, length asked): the one cache the model keeps
+
+    def prepare_static_cache(*args, **kwargs):
+        if _KEEP.get() is not owner():
+            return original(*args, **kwargs)
+        try:
+            named = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return original(*args, **kwargs)  # transformers' own call will say what is wrong
+        key = (named.get("cache_implementation"), named.get("batch_size"), named.get("max_cache_len"))
+        cache = kept.get(key)
+        if cache is not None:
+            cache.reset()
+            return cache
+        cache = original(*args, **kwargs)
+        layers = list(getattr(cache, "layers", None) or ())
+        shape = init_shape()
+        if shape is None or not layers or not hasattr(cache, "early_initialization") or \
+                not all(getattr(layer, "supports_early_init", False) for layer in layers):
+            return cache  # transformers' own, made in the prefill
+        if not all(getattr(layer, "is_initialized", False) for layer in layers):
+            cache.early_initialization(batch_size=key[1], num_heads=shape[0], head_dim=shape[1],
+                                       dtype=model.dtype, device=model.device)
+        for layer in layers:  # not static addresses: Dynamo would guard on each tensor's identity
+            for t in vars(layer).values():
+                if isinstance(t, torch.Tensor) and hasattr(t, "_dynamo_static_input_type"):
+                    del t._dynamo_static_input_type
+        if all(getattr(layer, "is_initialized", False) for layer in layers):
+            kept.clear()
+            kept[key] = cache
+        return cache
+
+    prepare_static_cache.shapewise_kept_cache = True
+    prepare_static_cache.shapewise_kept = kept
+    return prepare_static_cache
+
+
+def copy_of_kept_cache(model: torch.nn.Module, result: object) -> object:
+    """``result`` (what ``model.generate()`` returned) with a copy of the cache it returns where that is the
+    one ``model`` keeps (``kept_static_cache``), which the next call resets: the caller's own, to keep."""
+    kept = getattr(getattr(model, "_prepare_static_cache", None), "shapewise_kept", None)
+    cache = getattr(result, "past_key_values", None)
+    if kept and cache is not None and any(cache is c for c in kept.values()):
+        result.past_key_values = copy.deepcopy(cache)
+    return result

@@ -101,8 +101,9 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch
         decode_steps += out.shape[1] - prompt.shape[1] - 1  # random weights may reach EOS early
     assert fast.traces == 2
     assert fast.direct_calls >= decode_steps - 1  # decode past Dynamo's frame into the replays, but the arming call
-    # transformers makes the cache's tensors inside the prefill trace, so they come unmarked: they
-    # are used where they are because they stayed there from the warm-up to the capture. Only the
+    # The cache is the one the model keeps (keep_cache), its tensors unmarked: they are used where
+    # they are because they stayed there from the warm-up to the capture, and from call to call (no
+    # graph captured again; the prefill, its cache initialised before it, captured too). Only the
     # step's fresh inputs (the token, its position, the mask: a few elements each) are copied in,
     # and nothing is written back.
     graphs = fast.runnables[1].runtime.graphs
@@ -113,6 +114,10 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch
     assert not any(p.write_back for p in pieces), [len(p.write_back) for p in pieces]
     assert all(t.numel() <= 64 for t in copied), [tuple(t.shape) for t in copied]
     assert sum(len(p.kept) for p in pieces) >= 4  # the 2 layers' keys and values
+    prefill = fast.runnables[0].runtime.graphs.pieces
+    assert prefill and all(p.graph is not None and not p.uncaptured for p in prefill), \
+        [(p.name, p.uncaptured) for p in prefill]
+    assert all(p.recaptures == 0 for p in [*pieces, *prefill]), [(p.name, p.recaptures) for p in pieces]
     # Under full graphs compile_generate splits nothing (a split would only stop Inductor fusing
     # across the attention); piecewise graphs are split at SDPA.
     assert (len(fast.runnables[1].program.pieces) == 1) == (cudagraphs == "full"), \
@@ -133,6 +138,7 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch
     assert torch.equal(got.sequences, want.sequences)
     for step_got, step_want in zip(got.hidden_states, want.hidden_states):
         assert_same(step_got, step_want, "hidden states per step")
+    assert all(p.recaptures == 0 for p in [*pieces, *prefill])  # (its returned cache a copy of the kept one)
 
 
 def test_a_static_cache_is_max_length_long_so_every_call_up_to_it_shares_the_traces():
@@ -422,3 +428,37 @@ def test_whole_traces_split_the_prompt_trace_and_compile_decode_whole():
 def test_whole_traces_must_map_dim_names_to_sizes(bad):
     with pytest.raises(sw.ConfigError, match="whole_traces must map dim names to sizes"):
         sw.compile(torch.nn.Linear(4, 4), sizes=[2], whole_traces=bad)
+
+
+def test_keep_cache_reuses_one_static_cache_and_gives_eagers_tokens():
+    # keep_cache=True (the default where steps replay CUDA graphs): generate() uses one static cache the model
+    # keeps, reset in place each call, so the tensors a graph reads in place never move; a call that returns its
+    # cache returns a copy. Eager's tokens and logits (those calls return their caches), and no third trace.
+    model = _llama()
+    prompts = _prompts(4, 24)
+    plain = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False}
+    expected = [model.generate(p, **plain) for p in prompts]
+    returned = model.generate(prompts[1], **plain, return_dict_in_generate=True).past_key_values
+    fast = _greedy_equal(model, dict(prompt_sizes=[4, 24], max_length=64, static_cache=True, keep_cache=True),
+                         prompts, new_tokens=6)
+    assert model.generate.shapewise_keeps_cache
+    kept = model._prepare_static_cache.shapewise_kept
+    (cache,) = kept.values()
+    addresses = set()
+    for _ in range(2):
+        for p, e in zip(prompts, expected):
+            assert torch.equal(model.generate(p, **plain), e)
+            assert list(kept.values()) == [cache]
+            addresses.add(cache.layers[0].keys.data_ptr())
+    assert len(addresses) == 1
+    # A returned cache is the caller's: a copy, holding what eager's call left in its own, untouched by the next call.
+    mine = model.generate(prompts[1], **plain, return_dict_in_generate=True).past_key_values
+    assert mine is not cache and list(kept.values()) == [cache]
+    model.generate(prompts[0], **plain)
+    for a, b in zip(mine.layers, returned.layers):  # (eager's: a dynamic cache of the positions written)
+        n = b.keys.shape[-2]
+        assert_same((a.keys[..., :n, :], a.values[..., :n, :]), (b.keys, b.values), "the returned cache")
+        assert not a.keys[..., n:, :].any()
+    assert fast.traces == 2
+    with pytest.raises(sw.ConfigError, match="keep_cache must be True, False or None, got 'yes'"):
+        sw.compile_generate(_llama(), prompt_sizes=[4], keep_cache="yes")
