@@ -265,7 +265,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
                      batch_updates: bool | None = None, decode_gemv: bool | None = None,
                      defer_stop: bool | None = None, pdl: bool = False, graph_masks: bool = False,
-                     keep_cache: bool | None = None,
+                     keep_cache: bool = False,
                      **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
@@ -356,8 +356,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     not transformers' new one per call, whose tensors move: each call captured its decode graph again (an H100,
     the 1B, every trace whole: 2.45 ms a decode token of a 32-token ``generate()`` against 1.44 split, where the new
     cache happened to land where the old one was; benchmarks/results/default_split_h100_20261207) and its prefill
-    ran uncaptured. By default (None) on where steps replay CUDA graphs; the kept cache holds its memory, and a
-    call that returns its cache (``return_dict_in_generate``) returns a copy.
+    ran uncaptured. Off by default: the cache is initialised before the prefill, which OPT's forward (it reads
+    the cache's length as a value there) and Falcon's (its heads are not the config's ``num_key_value_heads``)
+    do not compile with (21 of 23 architectures right on the CPU; benchmarks/results/sweep_cpu_keep_cache). The
+    kept cache holds its memory; a call that returns its cache (``return_dict_in_generate``) returns a copy.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
@@ -370,8 +372,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         raise ConfigError(f"max_length must be >= 2 (a prompt and one new token), got {max_length}")
     if not isinstance(graph_masks, bool):
         raise ConfigError(f"graph_masks must be True or False, got {graph_masks!r}")
-    if keep_cache is not None and not isinstance(keep_cache, bool):
-        raise ConfigError(f"keep_cache must be True, False or None, got {keep_cache!r}")
+    if not isinstance(keep_cache, bool):
+        raise ConfigError(f"keep_cache must be True or False, got {keep_cache!r}")
     static_cache = _static_cache_for(model, static_cache)
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
@@ -490,8 +492,6 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     if graph_masks and own_generate:
         log.warning("shapewise: compile_generate(graph_masks=True) does nothing for a model whose generate() is "
                     "not transformers' own")
-    if keep_cache is None:
-        keep_cache = borrow
     if (borrow or defer_stop or graph_masks or keep_cache) and not own_generate:
         model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop, graph_masks=graph_masks,
                                              keep_cache=bool(keep_cache and static_cache))

@@ -23,7 +23,7 @@ and whether its calls were direct); ``--profile`` adds a cProfile of each warm s
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,1+sdpa,1+sdpa:prefill
     # +sdpa: split at attention; +sdpa:prefill: the prompt trace split, decode's whole (whole_traces={"seq": 1},
     # compile_generate's default under full graphs since 2026-12-07); +none: every trace whole (splitting_ops=());
-    # +default:nokeep, +none:nokeep: keep_cache=False (transformers' new static cache per generate())
+    # +default:keep, +none:keep: keep_cache=True (one static cache kept from call to call)
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 
@@ -88,8 +88,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             cpu_as_gpu["splitting_ops"] = () if ops == "none" else tuple(ops.split("+"))
         if "prefill" in flags:  # W+sdpa:prefill: the prompt trace split, the decode trace (seq=1) whole
             cpu_as_gpu["whole_traces"] = {"seq": 1}
-        if "nokeep" in flags:  # W+none:nokeep: transformers' new static cache per generate() (keep_cache=False)
-            cpu_as_gpu["keep_cache"] = False
+        if "keep" in flags:  # W+none:keep: one static cache kept from call to call (keep_cache=True)
+            cpu_as_gpu["keep_cache"] = True
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
                                cudagraphs=False if cpu_layers else "full", compile_workers=workers, progress=False,

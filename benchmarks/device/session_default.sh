@@ -2,8 +2,8 @@
 # Device call (one H100 or H200), 2026-12-07 evening: compile_generate's new default under full graphs (the
 # prompt trace split at SDPA, the decode trace whole) against every trace whole (+none), each a cold start on 4
 # workers with a torch.profiler table of one generate() of 32 tokens (why the whole program's generate() ran
-# 2.59 ms a token against 1.62 split on this morning's H100; ORDER="4,4+none,4+none:nokeep": keep_cache's
-# effect, the whole program with transformers' new cache per call), then the GPU suite (`make gpu-test`'s tests) in
+# 2.59 ms a token against 1.62 split on this morning's H100; ORDER="4,4+none,4+none:keep,4+default:keep":
+# keep_cache's effect, one static cache kept from call to call), then the GPU suite (`make gpu-test`'s tests) in
 # what is left. One deadline (DEADLINE s); results under $OUT (all.tgz). From the repository root:
 #   DEADLINE=585 bash benchmarks/device/session_default.sh
 source benchmarks/device/_setup.sh

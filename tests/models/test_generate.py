@@ -93,7 +93,7 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch
     # CUDA graphs of its own whose outputs the next step overwrites)
     want = model.generate(prompt, **keep, cache_implementation="static", disable_compile=True)
     fast = sw.compile_generate(model, prompt_sizes=[12], max_length=64, static_cache=True, backend="inductor",
-                               cudagraphs=cudagraphs)
+                               cudagraphs=cudagraphs, keep_cache=True)
     decode_steps = 0
     for _ in range(2):  # the second generate() replays the captured graphs
         out = model.generate(prompt, max_new_tokens=16, do_sample=False)
@@ -431,7 +431,7 @@ def test_whole_traces_must_map_dim_names_to_sizes(bad):
 
 
 def test_keep_cache_reuses_one_static_cache_and_gives_eagers_tokens():
-    # keep_cache=True (the default where steps replay CUDA graphs): generate() uses one static cache the model
+    # keep_cache=True: generate() uses one static cache the model
     # keeps, reset in place each call, so the tensors a graph reads in place never move; a call that returns its
     # cache returns a copy. Eager's tokens and logits (those calls return their caches), and no third trace.
     model = _llama()
@@ -460,5 +460,5 @@ def test_keep_cache_reuses_one_static_cache_and_gives_eagers_tokens():
         assert_same((a.keys[..., :n, :], a.values[..., :n, :]), (b.keys, b.values), "the returned cache")
         assert not a.keys[..., n:, :].any()
     assert fast.traces == 2
-    with pytest.raises(sw.ConfigError, match="keep_cache must be True, False or None, got 'yes'"):
+    with pytest.raises(sw.ConfigError, match="keep_cache must be True or False, got 'yes'"):
         sw.compile_generate(_llama(), prompt_sizes=[4], keep_cache="yes")
