@@ -356,9 +356,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     not transformers' new one per call, whose tensors move: each call captured its decode graph again (an H100,
     the 1B, every trace whole: 2.45 ms a decode token of a 32-token ``generate()`` against 1.44 split, where the new
     cache happened to land where the old one was; benchmarks/results/default_split_h100_20261207) and its prefill
-    ran uncaptured. Off by default: the cache is initialised before the prefill, which OPT's forward (it reads
-    the cache's length as a value there) and Falcon's (its heads are not the config's ``num_key_value_heads``)
-    do not compile with (21 of 23 architectures right on the CPU; benchmarks/results/sweep_cpu_keep_cache). The
+    ran uncaptured. Off by default: the cache is initialised before the prefill, which 6 architectures right
+    without it do not compile with (OPT, BioGPT read the cache's length as a value there; Falcon, GPT-BigCode and
+    2 more have heads other than transformers' init shape says; benchmarks/results/sweep_cpu_keep_cache). The
     kept cache holds its memory; a call that returns its cache (``return_dict_in_generate``) returns a copy.
     Other options go to ``shapewise.compile``.
     """

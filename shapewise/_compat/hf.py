@@ -207,7 +207,10 @@ def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signat
             return cache
         cache = original(*args, **kwargs)
         layers = list(getattr(cache, "layers", None) or ())
-        shape = init_shape()
+        try:
+            shape = init_shape()
+        except AttributeError:  # a config without attention heads (Mamba2's): transformers' own cache
+            shape = None
         if shape is None or not layers or not hasattr(cache, "early_initialization") or \
                 not all(getattr(layer, "supports_early_init", False) for layer in layers):
             return cache  # transformers' own, made in the prefill
