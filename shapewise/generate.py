@@ -25,9 +25,7 @@ from the cache object as the trace read them, and what the forward sets on the c
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import inspect
 import logging
 from collections.abc import Sequence
@@ -35,10 +33,9 @@ from typing import Any
 
 import torch
 
-from shapewise import _compat
 from shapewise.backend import cudagraphs_options
-from shapewise.dispatch.copies import borrowed_outputs
-from shapewise.errors import CompileError, ConfigError
+from shapewise.errors import ConfigError
+from shapewise.generate_loop import _shapewise_generate
 from shapewise.module import ShapewiseModule
 
 log = logging.getLogger("shapewise")
@@ -117,128 +114,6 @@ def _cache_layers(cache: Any) -> list[Any]:
     cache = getattr(cache, "self_attention_cache", cache)
     layers = getattr(cache, "layers", None)
     return list(layers) if isinstance(layers, (list, tuple)) else []
-
-
-# generate() arguments under which it keeps a forward's output tensors past the next forward
-# (assisted and DoLa decoding, contrastive search, beams, code from the Hub): no borrowing there.
-_KEEPS_OUTPUTS = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "dola_layers",
-                  "penalty_alpha", "custom_generate")
-
-
-def _keeps_outputs(model: torch.nn.Module, kwargs: dict) -> str | None:
-    """Why this ``generate(**kwargs)`` call (its arguments by name, ``generation_config``'s
-    included) may keep tensors of a forward's outputs after it calls the forward again, or None
-    where it keeps none: greedy or sampled decoding copies the last position's logits
-    (``.to(copy=True)``) and drops the outputs before the next step."""
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-
-    def get(name: str) -> Any:
-        return kwargs[name] if name in kwargs else getattr(config, name, None)
-
-    if get("return_dict_in_generate") and (get("output_hidden_states") or get("output_attentions")):
-        return "it returns each step's hidden states or attentions"
-    if (get("num_beams") or 1) > 1:
-        return "beam search"
-    if get("guidance_scale") not in (None, 1, 1.0):  # its logits processor calls the forward between steps
-        return "classifier-free guidance"
-    return next((f"{n} is set" for n in _KEEPS_OUTPUTS if get(n)), None)
-
-
-def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_stop: bool = False,
-                        graph_masks: bool = False, keep_cache: bool = False) -> Any:
-    """``model.generate`` that runs inside ``borrowed_outputs()`` (the CUDA graphs' logits not
-    copied per step; ``borrow``) where the call keeps no output tensor (``_keeps_outputs``, on its
-    arguments bound by name: a positional ``generation_config`` counts), inside
-    ``_compat.deferred_stop_checks()`` (``defer_stop``: on a CUDA model, whether to stop is read one
-    step late, so the host is never held at a step's end waiting for the GPU) and inside
-    ``_compat.masks_in_graph()`` (``graph_masks``: an unpadded call's masks built in the graph) and inside
-    ``_compat.kept_static_cache()`` (``keep_cache``: one static cache from call to call; a call that returns
-    its cache returns a copy)."""
-    generate = model.generate
-    try:
-        signature = inspect.signature(generate)
-    except (TypeError, ValueError):
-        signature = None
-
-    def by_name(args: tuple, kwargs: dict) -> dict | None:
-        if not args:
-            return kwargs
-        if signature is None:
-            return None
-        try:
-            bound = signature.bind_partial(*args, **kwargs).arguments
-        except TypeError:
-            return None  # generate() itself will say what is wrong
-        extra = next((bound.pop(n) for n, p in signature.parameters.items()
-                      if p.kind is inspect.Parameter.VAR_KEYWORD and n in bound), {})
-        return {**bound, **extra}
-
-    def run(args: tuple, kwargs: dict, in_graph: bool) -> Any:
-        with contextlib.ExitStack() as scope:
-            if borrow:
-                named = by_name(args, kwargs)
-                if named is not None and _keeps_outputs(model, named) is None:
-                    scope.enter_context(borrowed_outputs())
-            if keep_cache:
-                scope.enter_context(_compat.kept_static_cache(model))
-            if defer_stop:
-                scope.enter_context(_compat.deferred_stop_checks())
-            if in_graph:
-                scope.enter_context(_compat.masks_in_graph(model))
-            out = generate(*args, **kwargs)
-        return _compat.copy_of_kept_cache(model, out) if keep_cache else out
-
-    @functools.wraps(generate)
-    def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
-        if not generate_shapewise.shapewise_graph_masks:  # (off for good once a forward needed the mask)
-            return run(args, kwargs, False)
-        rng = _rng_states()
-        try:
-            return run(args, kwargs, True)
-        except CompileError as e:
-            if not e.reads_values:  # not what a missing mask causes: the user's to see
-                raise
-            # A forward that reads the mask's length as a value (OPT's positions) does not compile without
-            # one. The call ran up to that compile (a prefill, maybe its first token): it runs again from
-            # the same random state, unless it was given state it may have changed or handed out.
-            generate_shapewise.shapewise_graph_masks = False
-            why = str(e).splitlines()[0][:300]
-            named = by_name(args, kwargs)
-            given = sorted(set(named or ()) & _CALL_STATE) if named is not None else ["arguments not bound"]
-            if given:
-                raise CompileError(f"compile_generate(graph_masks=True): {type(model).__name__}'s forward did not "
-                                   f"compile without an attention mask ({why}); graph_masks is now off for this "
-                                   f"model. This call was given {given}, which it may have used: call "
-                                   "generate() again") from e
-            log.warning("shapewise: compile_generate(graph_masks=True): %s's forward did not compile without an "
-                        "attention mask (%s); generate() hands it transformers' masks from now on, this call too",
-                        type(model).__name__, why)
-            _set_rng_states(rng)
-            return run(args, kwargs, False)
-
-    generate_shapewise.shapewise_borrows = borrow
-    generate_shapewise.shapewise_defers_stop = defer_stop
-    generate_shapewise.shapewise_graph_masks = graph_masks
-    generate_shapewise.shapewise_keeps_cache = keep_cache
-    return generate_shapewise
-
-
-# generate() arguments whose state a call can change or hand out before a compile fails in it: such a call
-# is not run again by graph_masks' fallback (a cache it wrote, tokens streamed, stateful processors).
-_CALL_STATE = frozenset({"past_key_values", "cache", "streamer", "logits_processor", "stopping_criteria",
-                         "assistant_model", "prefix_allowed_tokens_fn"})
-
-
-def _rng_states() -> tuple:
-    """The CPU's and (where initialised) the GPUs' random states: a sampled call run again draws the same."""
-    return torch.random.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
-
-
-def _set_rng_states(states: tuple) -> None:
-    cpu, cuda = states
-    torch.random.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def _static_cache_for(model: torch.nn.Module, asked: bool | str) -> bool:
@@ -356,10 +231,11 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     not transformers' new one per call, whose tensors move: each call captured its decode graph again (an H100,
     the 1B, every trace whole: 2.45 ms a decode token of a 32-token ``generate()`` against 1.44 split, where the new
     cache happened to land where the old one was; benchmarks/results/default_split_h100_20261207) and its prefill
-    ran uncaptured. Off by default: the cache is initialised before the prefill, which 6 architectures right
-    without it do not compile with (OPT, BioGPT read the cache's length as a value there; Falcon, GPT-BigCode and
-    2 more have heads other than transformers' init shape says; benchmarks/results/sweep_cpu_keep_cache). The
-    kept cache holds its memory; a call that returns its cache (``return_dict_in_generate``) returns a copy.
+    ran uncaptured. The cache is initialised before the prefill, which 6 of 154 architectures do not compile with
+    (OPT, BioGPT read the cache's length as a value there; Falcon, GPT-BigCode and 2 more have heads other than
+    transformers' init shape says): their first call warns, turns it off and runs again without it (as
+    ``graph_masks``; benchmarks/results/sweep_cpu_keep_cache). Off by default until timed on a GPU. The kept
+    cache holds its memory; a call that returns its cache (``return_dict_in_generate``) returns a copy.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["copy_of_kept_cache", "deferred_stop_checks", "kept_static_cache", "masks_in_graph"]
+__all__ = ["copy_of_kept_cache", "deferred_stop_checks", "drop_kept_cache", "kept_static_cache", "masks_in_graph"]
 
 _log = logging.getLogger("shapewise")
 _DEVICES: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("shapewise_deferred_stops", default=())
@@ -239,3 +239,10 @@ def copy_of_kept_cache(model: torch.nn.Module, result: object) -> object:
     if kept and cache is not None and any(cache is c for c in kept.values()):
         result.past_key_values = copy.deepcopy(cache)
     return result
+
+
+def drop_kept_cache(model: torch.nn.Module) -> None:
+    """Forget the cache ``model`` keeps (``kept_static_cache``): its next call makes transformers' own."""
+    kept = getattr(getattr(model, "_prepare_static_cache", None), "shapewise_kept", None)
+    if kept:
+        kept.clear()

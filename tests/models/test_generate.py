@@ -337,7 +337,7 @@ def test_a_model_given_the_whole_sequence_at_each_step_is_refused_with_the_reaso
 
 def test_generate_borrows_the_graphs_outputs_only_where_it_keeps_none():
     from shapewise.dispatch.copies import copy_out, outputs_borrowed
-    from shapewise.generate import _keeps_outputs, _shapewise_generate
+    from shapewise.generate_loop import _keeps_outputs, _shapewise_generate
 
     model = _llama()
     seen = []

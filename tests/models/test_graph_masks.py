@@ -161,3 +161,48 @@ def test_the_fallback_runs_a_sampled_call_again_from_its_random_state_and_never_
 def test_graph_masks_must_be_a_bool():
     with pytest.raises(ConfigError, match="graph_masks must be True or False, got 'yes'"):
         sw.compile_generate(_model("llama"), graph_masks="yes", **KW)
+
+
+@pytest.mark.parametrize("name", ["opt", "falcon"])
+def test_keep_cache_a_forward_that_does_not_compile_with_it_warns_once_and_runs_without_it(name, caplog):
+    # keep_cache's cache is initialised before the prefill: OPT's forward then reads the cache's length as a
+    # value there, and Falcon's heads are not the ones transformers' init shape says; neither compiles. The
+    # first call says so, turns it off for the model and runs again with transformers' cache: eager's tokens,
+    # two traces. With graph_masks too (both off: OPT fails with either).
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(5))
+    model = _keep_model(name)
+    want = _eager(model, ids)
+    fast = sw.compile_generate(model, keep_cache=True, graph_masks=name == "opt", **KW)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="shapewise"):
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, **RUN), want)
+    warned = [r.getMessage() for r in caplog.records if "keep_cache=True" in r.getMessage()]
+    assert len(warned) == 1 and "with its static cache initialised before the prefill" in warned[0], warned
+    assert not model.generate.shapewise_keeps_cache and fast.traces == 2
+    assert model.generate.shapewise_graph_masks is False
+    # and a call given state it may have used (a streamer) raises, saying to call again
+    model = _keep_model(name)
+    sw.compile_generate(model, keep_cache=True, **KW)
+
+    class Streamer:
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    with torch.no_grad(), pytest.raises(sw.errors.CompileError, match=r"given \['streamer'\].*call generate\(\) again"):
+        model.generate(ids, streamer=Streamer(), **RUN)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **RUN), want)
+
+
+def _keep_model(name: str):
+    if name != "falcon":
+        return _model(name)
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    # (multi-query: one KV head, whatever num_key_value_heads says, which transformers' init shape reads; the
+    # architecture sweep's tiny configs set it to 2)
+    config.num_key_value_heads = 2
+    return transformers.FalconForCausalLM(config).eval()
