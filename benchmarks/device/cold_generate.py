@@ -236,7 +236,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=0,
                     help="with --warm: then one more cold start of the whole program on this many compile workers")
     ap.add_argument("--profile", action="store_true",
-                    help="with --warm: a cProfile of each warm start's first generate() under --out")
+                    help="a cProfile of each start's first generate() under --out (with --warm: each warm start's)")
     ap.add_argument("--profile-to", default=None, help=argparse.SUPPRESS)  # the child's
     ap.add_argument("--torch-profile", action="store_true",
                     help="a torch.profiler table (GPU events, host ops) of each start's generate() of 32 tokens")
@@ -268,7 +268,8 @@ def main() -> None:
                 if args.torch_profile:
                     tag = f"{entry}+{split}" if split else entry
                     env["BENCH_PROFILE"] = str(out / f"profile_{len(results)}_{tag}.json")
-                row = _run_child(args, env, int(w), False)
+                profile_to = str(out / f"profile_cold_{len(results)}.txt") if args.profile else None
+                row = _run_child(args, env, int(w), False, profile_to)
                 row["worker_threads"] = threads or "auto"
                 results.append(row)
                 # written after every child: a run its deadline cuts short keeps what it measured
