@@ -5,7 +5,7 @@
 # at SDPA, the decode trace whole) against every trace whole (+none), why the whole program's generate() ran 2.59
 # ms a token against 1.62 split on this morning's H100, and keep_cache's effect (+none:keep, +default:keep: one
 # static cache kept from call to call). One deadline (DEADLINE s); results under $OUT (all.tgz). From the root:
-#   DEADLINE=585 SUITE_LIMIT=330 ORDER="4,4+none,4+none:keep" bash benchmarks/device/session_default.sh
+#   DEADLINE=585 SUITE_LIMIT=330 ORDER="4,4+none:keep" CHILD_TIMEOUT=120 bash benchmarks/device/session_default.sh
 source benchmarks/device/_setup.sh
 export TORCHINDUCTOR_COMPILE_THREADS=2
 timeout "${SUITE_LIMIT:-330}" python3 -m pytest -v -rfE -n 8 -m "(gpu or inductor) and not fuzz" -p no:cacheprovider \
@@ -14,5 +14,5 @@ echo "suite rc=$?"; grep -cE " PASSED " "$OUT/gpu_suite.txt" | sed 's/^/passed s
 grep -E "passed|failed|error|FAILED|ERROR" "$OUT/gpu_suite.txt" | grep -v " PASSED " | tail -30
 unset TORCHINDUCTOR_COMPILE_THREADS
 timeout $(( $(left) - 5 )) python3 benchmarks/device/cold_generate.py --out "$OUT/cold" --workers "${ORDER:-4,4+none}" \
-  --timeout 80 --torch-profile 2>&1 | cut -c1-300 | tail -4
+  --timeout "${CHILD_TIMEOUT:-80}" --torch-profile 2>&1 | cut -c1-300 | tail -4
 echo done
