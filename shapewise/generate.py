@@ -360,15 +360,16 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     # prefill graph's buffers, which a cache returned or passed in would keep past the call).
     # Both wrap transformers' own generate() only, not one the model already replaced (Hub code).
     borrow = bool(cudagraphs_options(options.get("cudagraphs", False))) and static_cache
-    if graph_masks and not static_cache:
-        log.warning("shapewise: compile_generate(graph_masks=True) does nothing without a static cache: "
-                    "transformers builds masks outside the forward only for one")
-        graph_masks = False
     own_generate = not hasattr(model, "generate") or "generate" in vars(model)
-    if graph_masks and own_generate:
-        log.warning("shapewise: compile_generate(graph_masks=True) does nothing for a model whose generate() is "
-                    "not transformers' own")
+    for name, on in (("graph_masks", graph_masks), ("keep_cache", keep_cache)):
+        if on and not static_cache:
+            log.warning("shapewise: compile_generate(%s=True) does nothing without a static cache%s", name,
+                        ": transformers builds masks outside the forward only for one" if name == "graph_masks" else "")
+        elif on and own_generate:
+            log.warning("shapewise: compile_generate(%s=True) does nothing for a model whose generate() is not "
+                        "transformers' own", name)
+    graph_masks, keep_cache = graph_masks and static_cache, keep_cache and static_cache
     if (borrow or defer_stop or graph_masks or keep_cache) and not own_generate:
         model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop, graph_masks=graph_masks,
-                                             keep_cache=bool(keep_cache and static_cache))
+                                             keep_cache=keep_cache)
     return fast

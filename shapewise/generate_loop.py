@@ -18,7 +18,7 @@ import torch
 
 from shapewise import _compat
 from shapewise.dispatch.copies import borrowed_outputs
-from shapewise.errors import CompileError, ShapewiseError
+from shapewise.errors import CompileError
 
 log = logging.getLogger("shapewise")
 
@@ -77,14 +77,16 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
                       if p.kind is inspect.Parameter.VAR_KEYWORD and n in bound), {})
         return {**bound, **extra}
 
-    def run(args: tuple, kwargs: dict, in_graph: bool, keep: bool) -> Any:
+    def run(args: tuple, kwargs: dict, in_graph: bool, keep: bool, calls: list | None = None) -> Any:
         with contextlib.ExitStack() as scope:
             if borrow:
                 named = by_name(args, kwargs)
                 if named is not None and _keeps_outputs(model, named) is None:
                     scope.enter_context(borrowed_outputs())
             if keep:
-                scope.enter_context(_compat.kept_static_cache(model))
+                call = scope.enter_context(_compat.kept_static_cache(model))
+                if calls is not None:
+                    calls.append(call)
             if defer_stop:
                 scope.enter_context(_compat.deferred_stop_checks())
             if in_graph:
@@ -96,52 +98,60 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
     def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
         masks = generate_shapewise.shapewise_graph_masks  # (each off for good once a forward failed with it)
         keep = generate_shapewise.shapewise_keeps_cache
-        trying_keep = keep and not generate_shapewise.shapewise_kept_once  # its first call: its prefill compiles
-        if not masks and not trying_keep:
-            return run(args, kwargs, False, keep)
+        if not masks and not keep:
+            return run(args, kwargs, False, False)
         rng = _rng_states()
+        calls: list = []
         try:
-            out = run(args, kwargs, masks, keep)
+            out = run(args, kwargs, masks, keep, calls)
+            for call in calls:
+                if call is not None:
+                    call.done()
+            return out
         except Exception as e:  # noqa: BLE001 - raised again below unless one of these options caused it
             # A forward that reads the mask's length as a value (OPT's positions) does not compile without
-            # one; with the kept cache, initialised before the prefill, one that reads the cache's length
-            # there (OPT's, BioGPT's) or whose heads are not what transformers' init shape says (Falcon's) does
-            # not either. The option is turned off for good, and the call, which ran up to that compile (a
-            # prefill, maybe its first token), runs again from the same random state, unless it was given state
-            # it may have changed or handed out.
-            off = [name for name, on in (("graph_masks", masks and isinstance(e, CompileError) and e.reads_values),
-                                         ("keep_cache", trying_keep and (isinstance(e, ShapewiseError)
-                                                                        or _compat.is_trace_error(e)))) if on]
-            if not off:  # not what these options cause: the user's to see
+            # one. With the kept cache, initialised before the prefill, a forward that reads the cache's length
+            # there (OPT's, BioGPT's) or whose heads are not what transformers' init shape says (Falcon's)
+            # does not either: only a call that made a new kept cache compiles with it (``fresh``). The option
+            # is turned off and the call, which ran up to that compile (a prefill, maybe its first token), runs
+            # again from the same random state, unless it was given state it may have changed or handed out.
+            option = "graph_masks" if masks and isinstance(e, CompileError) and e.reads_values else \
+                "keep_cache" if keep and any(c is not None and c.fresh for c in calls) and (
+                    isinstance(e, CompileError) or _compat.is_trace_error(e)) else None
+            if option is None:  # not what these options cause: the user's to see
                 raise
-            if "graph_masks" in off:
-                generate_shapewise.shapewise_graph_masks = False
-            if "keep_cache" in off:
-                generate_shapewise.shapewise_keeps_cache = False
-                _compat.drop_kept_cache(model)
-            options = ", ".join(f"{n}=True" for n in off)
-            what = " or ".join(_WITHOUT[n] for n in off)
+            what = _WITHOUT[option]
             why = str(e).splitlines()[0][:300] if str(e).strip() else type(e).__name__
             named = by_name(args, kwargs)
             given = sorted(set(named or ()) & _CALL_STATE) if named is not None else ["arguments not bound"]
             if given:
-                raise CompileError(f"compile_generate({options}): {type(model).__name__}'s forward did not compile "
-                                   f"{what} ({why}); {' and '.join(off)} now off for this model. This call was "
+                _turn_off(option)
+                raise CompileError(f"compile_generate({option}=True): {type(model).__name__}'s forward did not "
+                                   f"compile {what} ({why}); {option} is now off for this model. This call was "
                                    f"given {given}, which it may have used: call generate() again") from e
-            log.warning("shapewise: compile_generate(%s): %s's forward did not compile %s (%s); generate() runs "
-                        "without %s from now on, this call too", options, type(model).__name__, what, why,
-                        " and ".join(off))
             _set_rng_states(rng)
-            return run(args, kwargs, False if "graph_masks" in off else masks, False if "keep_cache" in off else keep)
-        if keep:
-            generate_shapewise.shapewise_kept_once = True
-        return out
+            _turn_off(option)
+            log.warning("shapewise: compile_generate(%s=True): %s's forward did not compile %s (%s); generate() runs "
+                        "without it from now on, this call too", option, type(model).__name__, what, why)
+            if option == "graph_masks":
+                return generate_shapewise(*args, **kwargs)  # (the kept cache may fail in its turn)
+            try:
+                return run(args, kwargs, masks, False)
+            except Exception:
+                generate_shapewise.shapewise_keeps_cache = True  # failing without it too: not its doing
+                raise
+
+    def _turn_off(option: str) -> None:
+        if option == "graph_masks":
+            generate_shapewise.shapewise_graph_masks = False
+        else:
+            generate_shapewise.shapewise_keeps_cache = False
+            _compat.drop_kept_cache(model)
 
     generate_shapewise.shapewise_borrows = borrow
     generate_shapewise.shapewise_defers_stop = defer_stop
     generate_shapewise.shapewise_graph_masks = graph_masks
     generate_shapewise.shapewise_keeps_cache = keep_cache
-    generate_shapewise.shapewise_kept_once = False
     return generate_shapewise
 
 

@@ -159,32 +159,58 @@ def _graph_masks_step(model: torch.nn.Module, original):
     return create_masks_for_generate
 
 
-# The model whose generate() call is inside kept_static_cache.
-_KEEP: contextvars.ContextVar[torch.nn.Module | None] = contextvars.ContextVar("shapewise_kept_cache", default=None)
+class KeptCall:
+    """One ``generate()`` call inside ``kept_static_cache``: the kept cache it holds (no other call gets it
+    meanwhile: a call on another thread waits for it, one inside this call gets a cache of its own, made
+    alike), and whether no call has finished with that cache yet (``fresh``: the forward may not compile with
+    it); ``done()`` says one has. ``outer``: the call this one runs inside, if any."""
+
+    def __init__(self, model: torch.nn.Module, outer: KeptCall | None) -> None:
+        self.model = model
+        self.outer = outer
+        self.holding: object | None = None
+        self.fresh = False
+
+    def done(self) -> None:
+        if self.holding is not None:
+            _SERVED.add(self.holding)
+
+
+# The call inside kept_static_cache.
+_KEEP: contextvars.ContextVar[KeptCall | None] = contextvars.ContextVar("shapewise_kept_cache", default=None)
+_IN_USE: set[int] = set()  # id() of the kept caches a call holds
+_IN_USE_LOCK = threading.Condition()
+_SERVED: weakref.WeakSet = weakref.WeakSet()  # the kept caches a call has finished with
 
 
 @contextlib.contextmanager
-def kept_static_cache(model: torch.nn.Module) -> Iterator[bool]:
+def kept_static_cache(model: torch.nn.Module) -> Iterator[KeptCall | None]:
     """Inside it, ``model.generate()`` uses the static cache ``model`` keeps (see the module's docstring);
-    yields whether it can: not for an encoder-decoder, a model spread over devices or with heads of their
-    own sizes (``_get_static_cache_init_shape`` says None), nor with a transformers without these steps."""
+    yields the call's ``KeptCall``, or None where it cannot: not for an encoder-decoder, a model spread over
+    devices or with heads of their own sizes (``_get_static_cache_init_shape`` says None), nor with a
+    transformers without these steps."""
     prepare = getattr(model, "_prepare_static_cache", None)
     init_shape = getattr(model, "_get_static_cache_init_shape", None)
     if prepare is None or init_shape is None or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        yield False
+        yield None
         return
     if not getattr(prepare, "shapewise_kept_cache", False):
         try:
             signature = inspect.signature(prepare)
         except (TypeError, ValueError):
-            yield False
+            yield None
             return
         model._prepare_static_cache = _kept_cache_step(model, prepare, signature, init_shape)
-    token = _KEEP.set(model)
+    call = KeptCall(model, _KEEP.get())
+    token = _KEEP.set(call)
     try:
-        yield True
+        yield call
     finally:
         _KEEP.reset(token)
+        if call.holding is not None:
+            with _IN_USE_LOCK:
+                _IN_USE.discard(id(call.holding))
+                _IN_USE_LOCK.notify_all()
 
 
 def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signature, init_shape):
@@ -193,18 +219,8 @@ def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signat
     owner = weakref.ref(model)  # (the model holds this function)
     kept: dict[tuple, object] = {}  # (cache kind, batch size, length asked): the one cache the model keeps
 
-    def prepare_static_cache(*args, **kwargs):
-        if _KEEP.get() is not owner():
-            return original(*args, **kwargs)
-        try:
-            named = signature.bind(*args, **kwargs).arguments
-        except TypeError:
-            return original(*args, **kwargs)  # transformers' own call will say what is wrong
-        key = (named.get("cache_implementation"), named.get("batch_size"), named.get("max_cache_len"))
-        cache = kept.get(key)
-        if cache is not None:
-            cache.reset()
-            return cache
+    def initialised(args: tuple, kwargs: dict, batch_size: int) -> tuple[object, bool]:
+        """A new cache from transformers, its layers initialised and unmarked where it can be; whether so."""
         cache = original(*args, **kwargs)
         layers = list(getattr(cache, "layers", None) or ())
         try:
@@ -213,17 +229,52 @@ def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signat
             shape = None
         if shape is None or not layers or not hasattr(cache, "early_initialization") or \
                 not all(getattr(layer, "supports_early_init", False) for layer in layers):
-            return cache  # transformers' own, made in the prefill
+            return cache, False  # transformers' own, made in the prefill
         if not all(getattr(layer, "is_initialized", False) for layer in layers):
-            cache.early_initialization(batch_size=key[1], num_heads=shape[0], head_dim=shape[1],
-                                       dtype=model.dtype, device=model.device)
+            try:
+                cache.early_initialization(batch_size=batch_size, num_heads=shape[0], head_dim=shape[1],
+                                           dtype=model.dtype, device=model.device)
+            except (ValueError, TypeError, RuntimeError):  # shapes it refuses: transformers' own, made anew
+                return original(*args, **kwargs), False
         for layer in layers:  # not static addresses: Dynamo would guard on each tensor's identity
             for t in vars(layer).values():
                 if isinstance(t, torch.Tensor) and hasattr(t, "_dynamo_static_input_type"):
                     del t._dynamo_static_input_type
-        if all(getattr(layer, "is_initialized", False) for layer in layers):
-            kept.clear()
-            kept[key] = cache
+        return cache, all(getattr(layer, "is_initialized", False) for layer in layers)
+
+    def prepare_static_cache(*args, **kwargs):
+        call = _KEEP.get()
+        if call is None or call.model is not owner() or call.holding is not None:
+            return original(*args, **kwargs)
+        try:
+            named = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return original(*args, **kwargs)  # transformers' own call will say what is wrong
+        key = (named.get("cache_implementation"), named.get("batch_size"), named.get("max_cache_len"))
+        with _IN_USE_LOCK:
+            while True:
+                cache = kept.get(key)
+                busy = cache is not None and id(cache) in _IN_USE
+                if not busy or _holds(call.outer, cache):
+                    break
+                _IN_USE_LOCK.wait()  # another thread's call holds it: this one waits for it
+            if cache is not None and not busy:
+                _IN_USE.add(id(cache))
+                call.holding, call.fresh = cache, cache not in _SERVED
+        if busy:  # the call around this one holds it: one of this call's own, made alike (the same traces)
+            return initialised(args, kwargs, key[1])[0]
+        if cache is not None:
+            cache.reset()
+            return cache
+        cache, ready = initialised(args, kwargs, key[1])
+        if ready:
+            with _IN_USE_LOCK:
+                for old in kept.values():
+                    _IN_USE.discard(id(old))
+                kept.clear()
+                kept[key] = cache
+                _IN_USE.add(id(cache))
+            call.holding, call.fresh = cache, True
         return cache
 
     prepare_static_cache.shapewise_kept_cache = True
@@ -231,13 +282,24 @@ def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signat
     return prepare_static_cache
 
 
+def _holds(call: KeptCall | None, cache: object) -> bool:
+    """Whether ``call`` or a call it runs inside holds ``cache``."""
+    while call is not None:
+        if call.holding is cache:
+            return True
+        call = call.outer
+    return False
+
+
 def copy_of_kept_cache(model: torch.nn.Module, result: object) -> object:
     """``result`` (what ``model.generate()`` returned) with a copy of the cache it returns where that is the
     one ``model`` keeps (``kept_static_cache``), which the next call resets: the caller's own, to keep."""
     kept = getattr(getattr(model, "_prepare_static_cache", None), "shapewise_kept", None)
-    cache = getattr(result, "past_key_values", None)
+    # (transformers 5.25 renamed the output's field ``cache``; ``past_key_values`` is a deprecated alias there)
+    name = "cache" if "cache" in getattr(result, "__dataclass_fields__", {}) else "past_key_values"
+    cache = getattr(result, name, None)
     if kept and cache is not None and any(cache is c for c in kept.values()):
-        result.past_key_values = copy.deepcopy(cache)
+        setattr(result, name, copy.deepcopy(cache))
     return result
 
 

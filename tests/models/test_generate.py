@@ -462,3 +462,31 @@ def test_keep_cache_reuses_one_static_cache_and_gives_eagers_tokens():
     assert fast.traces == 2
     with pytest.raises(sw.ConfigError, match="keep_cache must be True or False, got 'yes'"):
         sw.compile_generate(_llama(), prompt_sizes=[4], keep_cache="yes")
+
+
+def test_keep_cache_threads_get_caches_of_their_own_and_a_users_error_is_not_blamed_on_it():
+    # Calls on several threads at once take the kept cache in turn (one waits while another holds it): eager's
+    # tokens, no trace beyond the two. A first call that fails for a reason of its own (a prompt no size
+    # serves) raises that, and keep_cache stays on.
+    import threading
+
+    model = _llama()
+    prompts = _prompts(*range(4, 10))
+    run = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    want = [model.generate(p, **run) for p in prompts]
+    fast = sw.compile_generate(model, prompt_sizes=list(range(4, 10)), max_length=64, static_cache=True,
+                               keep_cache=True, backend="aot_eager")
+    with pytest.raises(sw.errors.DispatchMiss):
+        model.generate(_prompts(30)[0], **run)
+    assert model.generate.shapewise_keeps_cache
+    bad = []
+
+    def work(i):
+        for _ in range(3):
+            if not torch.equal(model.generate(prompts[i], **run), want[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not bad and fast.traces == 2
