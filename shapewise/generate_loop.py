@@ -117,7 +117,8 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
             # again from the same random state, unless it was given state it may have changed or handed out.
             option = "graph_masks" if masks and isinstance(e, CompileError) and e.reads_values else \
                 "keep_cache" if keep and any(c is not None and c.fresh for c in calls) and (
-                    isinstance(e, CompileError) or _compat.is_trace_error(e)) else None
+                    isinstance(e, CompileError) or _compat.is_trace_error(e) or _compat.is_trace_error(e.__cause__)
+                ) else None
             if option is None:  # not what these options cause: the user's to see
                 raise
             what = _WITHOUT[option]
