@@ -117,33 +117,25 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
         Path(profile).write_text(text.getvalue())
     # Then the steady decode: generate() of 32 new tokens, three times (median), per token, and whether
     # its calls went past Dynamo's frame (direct calls: on a warm start too, since this session).
-    per_token = []
+    def timed(prompt: torch.Tensor, new: int, repeats: int) -> list[float]:
+        """Seconds of each of ``repeats`` ``generate()`` calls of ``new`` tokens after ``prompt``."""
+        out = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            if not cpu_layers:
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t)
+        return out
+
     with torch.no_grad():
-        for _ in range(3):
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
-            if not cpu_layers:
-                torch.cuda.synchronize()
-            per_token.append((time.perf_counter() - t) / 32)
+        per_token = [t / 32 for t in timed(ids, 32, 3)]
         # the same prompt's prefill alone (one new token), median of 5: the decode per token is the rest
-        first = []
-        for _ in range(5):
-            t = time.perf_counter()
-            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            if not cpu_layers:
-                torch.cuda.synchronize()
-            first.append(time.perf_counter() - t)
+        first = timed(ids, 1, 5)
         if os.environ.get("BENCH_PROFILE"):  # a torch.profiler table of one generate() of 32 tokens
             _profile_generate(model, ids, os.environ["BENCH_PROFILE"], cpu_layers)
         # and the prefill of the longest prompt size: generate() of one new token (its prefill alone), median of 5
-        long_ids = torch.randint(0, 200, (1, SIZES[-1]), device=device)
-        prefill = []
-        for _ in range(5):
-            t = time.perf_counter()
-            model.generate(long_ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
-            if not cpu_layers:
-                torch.cuda.synchronize()
-            prefill.append(time.perf_counter() - t)
+        prefill = timed(torch.randint(0, 200, (1, SIZES[-1]), device=device), 1, 5)
     rows = list(fast.report())
     graphs = [p for r in fast.runnables for p in (getattr(getattr(r.runtime, "graphs", None), "pieces", None) or ())]
     from shapewise.library.kernels.gemv import tuning_stats  # DecodeGemv's tuning in this start (compile_s, timing_s)

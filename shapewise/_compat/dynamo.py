@@ -15,7 +15,8 @@ import torch.fx
 from shapewise._compat.shapes import is_traceable_wrapper_subclass, sym_expr
 
 __all__ = [
-    "access_path", "backend_error_cause", "calls_during_fx_trace", "compile_lock", "dict_version",
+    "access_path", "backend_error_cause", "calls_during_fx_trace", "clear_static_address", "compile_lock",
+    "dict_version",
     "dynamic_int_sources", "dynamo_unique_graphs", "has_static_address", "is_graph_break",
     "is_internal_dynamo_error", "is_trace_error", "local_name_of", "mark_dynamic", "marks_taken_off", "held_at",
     "member_name",
@@ -339,6 +340,12 @@ def has_static_address(t: torch.Tensor) -> bool:
     """Whether ``t`` was marked as living at one address across calls
     (``torch._dynamo.mark_static_address``: transformers' static KV cache)."""
     return getattr(t, "_dynamo_static_input_type", None) is not None
+
+
+def clear_static_address(t: torch.Tensor) -> None:
+    """Undo ``torch._dynamo.mark_static_address`` (its mark is an attribute on the tensor)."""
+    if hasattr(t, "_dynamo_static_input_type"):
+        del t._dynamo_static_input_type
 
 
 def unmark_dynamic(t: torch.Tensor, dim: int) -> None:

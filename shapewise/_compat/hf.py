@@ -40,6 +40,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from shapewise._compat.dynamo import clear_static_address
+
 __all__ = ["copy_of_kept_cache", "deferred_stop_checks", "drop_kept_cache", "kept_static_cache", "masks_in_graph"]
 
 _log = logging.getLogger("shapewise")
@@ -178,7 +180,7 @@ class KeptCall:
 
 # The call inside kept_static_cache.
 _KEEP: contextvars.ContextVar[KeptCall | None] = contextvars.ContextVar("shapewise_kept_cache", default=None)
-_IN_USE: set[int] = set()  # id() of the kept caches a call holds
+_IN_USE: weakref.WeakSet = weakref.WeakSet()  # the kept caches a call holds
 _IN_USE_LOCK = threading.Condition()
 _SERVED: weakref.WeakSet = weakref.WeakSet()  # the kept caches a call has finished with
 
@@ -209,7 +211,7 @@ def kept_static_cache(model: torch.nn.Module) -> Iterator[KeptCall | None]:
         _KEEP.reset(token)
         if call.holding is not None:
             with _IN_USE_LOCK:
-                _IN_USE.discard(id(call.holding))
+                _IN_USE.discard(call.holding)
                 _IN_USE_LOCK.notify_all()
 
 
@@ -238,8 +240,8 @@ def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signat
                 return original(*args, **kwargs), False
         for layer in layers:  # not static addresses: Dynamo would guard on each tensor's identity
             for t in vars(layer).values():
-                if isinstance(t, torch.Tensor) and hasattr(t, "_dynamo_static_input_type"):
-                    del t._dynamo_static_input_type
+                if isinstance(t, torch.Tensor):
+                    clear_static_address(t)
         return cache, all(getattr(layer, "is_initialized", False) for layer in layers)
 
     def prepare_static_cache(*args, **kwargs):
@@ -254,12 +256,12 @@ def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signat
         with _IN_USE_LOCK:
             while True:
                 cache = kept.get(key)
-                busy = cache is not None and id(cache) in _IN_USE
+                busy = cache is not None and cache in _IN_USE
                 if not busy or _holds(call.outer, cache):
                     break
                 _IN_USE_LOCK.wait()  # another thread's call holds it: this one waits for it
             if cache is not None and not busy:
-                _IN_USE.add(id(cache))
+                _IN_USE.add(cache)
                 call.holding, call.fresh = cache, cache not in _SERVED
         if busy:  # the call around this one holds it: one of this call's own, made alike (the same traces)
             return initialised(args, kwargs, key[1])[0]
@@ -267,13 +269,11 @@ def _kept_cache_step(model: torch.nn.Module, original, signature: inspect.Signat
             cache.reset()
             return cache
         cache, ready = initialised(args, kwargs, key[1])
-        if ready:
+        if ready:  # the one kept from now on (a call still holding an earlier one lets it go when it ends)
             with _IN_USE_LOCK:
-                for old in kept.values():
-                    _IN_USE.discard(id(old))
                 kept.clear()
                 kept[key] = cache
-                _IN_USE.add(id(cache))
+                _IN_USE.add(cache)
             call.holding, call.fresh = cache, True
         return cache
 
