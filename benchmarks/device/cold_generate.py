@@ -59,6 +59,14 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     from benchmarks.bench_generate import LLAMA_1B, TINY, llama
     from shapewise.lower import workers as worker_module
 
+    worker_starts: list[float] = []  # when worker processes were started (s after the child's start)
+    started = worker_module._Processes.__init__
+
+    def counted(self, *args, **kwargs):
+        worker_starts.append(round(time.perf_counter() - t0, 2))
+        started(self, *args, **kwargs)
+
+    worker_module._Processes.__init__ = counted
     if os.environ.get("BENCH_WORKER_THREADS"):  # --workers W/T: Inductor's compile threads in each worker
         worker_module.worker_compile_threads = lambda n: int(os.environ["BENCH_WORKER_THREADS"])
 
@@ -160,6 +168,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "graphs": {"captured": sum(p.graph is not None for p in graphs),
                        "uncaptured": sorted({f"{p.name}: {p.uncaptured}" for p in graphs if p.uncaptured}),
                        "recaptures": sum(p.recaptures for p in graphs)},
+            "worker_starts_s": worker_starts,  # more than one: the workers were started again (their torch imports)
             "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
             "splitting_ops": os.environ.get("BENCH_SPLIT", "default")}
 

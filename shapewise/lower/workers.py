@@ -50,7 +50,7 @@ import torch
 from shapewise import _compat
 from shapewise.lower.placement import resolve_workers, worker_compile_threads
 
-__all__ = ["WorkerPool", "compile_in_worker", "serve", "task_bytes", "warm_up"]
+__all__ = ["WorkerPool", "compile_in_worker", "library_modules", "read_task", "serve", "task_bytes", "warm_up"]
 
 log = logging.getLogger("shapewise")
 
@@ -103,6 +103,7 @@ def task_bytes(key: str, gm: torch.fx.GraphModule, args: Sequence[Any], options:
             return None
     buf = io.BytesIO()
     try:
+        pickle.dump(library_modules(), buf)  # read first: the worker imports them before the graph's ops unpickle
         _TaskPickler(buf).dump({"key": key, "gm": _graph_payload(gm), "args": specs, "options": options, "info": info,
                                 "state": _compat.compile_state()})
     except Exception as e:  # noqa: BLE001 - such a variant is compiled in the session
@@ -187,7 +188,16 @@ def _init_worker(config: bytes, fingerprint: str, cache_root: str, modules: Sequ
         _set_numerics(numerics)
     _STATE["config_ok"] = _compat.inductor_config_fingerprint() == fingerprint
     _STATE["cache_root"] = cache_root
-    for name in modules:  # what registered the custom ops the graphs call (shapewise's library)
+    _import_modules(modules)
+
+
+def _import_modules(modules: Sequence[str]) -> None:
+    """Import what registered the custom ops the graphs call (shapewise's library): at the worker's
+    start, the modules the session had then; with each task, those it has now (a kernel's module is
+    imported on its first launch, which may come after the workers started)."""
+    for name in modules:
+        if name in sys.modules:
+            continue
         try:
             __import__(name)
         except Exception as e:  # noqa: BLE001 - a graph calling its op fails and compiles in the session
@@ -203,7 +213,7 @@ def compile_in_worker(data: bytes) -> tuple[str, str, float]:
     t0 = time.perf_counter()
     key = "?"
     try:
-        task = pickle.loads(data)
+        task = read_task(data)
         key = task["key"]
         if not _STATE.get("config_ok"):
             return key, "failed: the worker's Inductor config differs from the session's", 0.0
@@ -225,6 +235,13 @@ def compile_in_worker(data: bytes) -> tuple[str, str, float]:
         return key, got[1], time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - the session compiles this key itself
         return key, f"failed: {type(e).__name__}: {e}", time.perf_counter() - t0
+
+
+def read_task(data: bytes) -> dict[str, Any]:
+    """A task of ``task_bytes``: the modules it names imported, then the task unpickled."""
+    stream = io.BytesIO(data)
+    _import_modules(pickle.load(stream))
+    return pickle.load(stream)
 
 
 def _traced_values(gm: torch.fx.GraphModule, mode: Any, args: list[Any]) -> None:
@@ -355,19 +372,22 @@ _SHARED_LOCK = threading.Lock()
 
 def _processes(workers: int, cache_root: str) -> _Processes:
     """The process-wide workers, started (again) where there are none, fewer than ``workers``,
-    dead ones, or ones set up for another cache folder, Inductor config or set of shapewise's
-    custom-op modules."""
+    dead ones, or ones set up for another cache folder or Inductor config (not for library modules
+    imported since: each task names the modules its worker imports first)."""
     from torch._inductor import config as inductor_config
 
-    modules = sorted(n for n in sys.modules if n.startswith("shapewise.library"))
+    modules = library_modules()
     fingerprint, numerics = _compat.inductor_config_fingerprint(), _numerics()
     with _SHARED_LOCK:
         if _SHARED:
             old = _SHARED[0]
-            _, was_fingerprint, was_root, was_modules, was_numerics, _ = old.setup
+            _, was_fingerprint, was_root, _, was_numerics, _ = old.setup
+            # (modules imported since the workers started need no new ones: each task names its modules)
             if (was_fingerprint, was_root, was_numerics) == (fingerprint, cache_root, numerics) \
-                    and set(modules) <= set(was_modules) and len(old.procs) >= workers and old.alive():
+                    and len(old.procs) >= workers and old.alive():
                 return old
+            log.info("shapewise: compile workers started again (%s)", _why_new(old, workers, fingerprint, cache_root,
+                                                                               numerics))
             _SHARED.clear()
             old.shutdown()
         else:
@@ -376,6 +396,23 @@ def _processes(workers: int, cache_root: str) -> _Processes:
                                     worker_compile_threads(workers)))
         _SHARED.append(made)
         return made
+
+
+def _why_new(old: _Processes, workers: int, fingerprint: str, cache_root: str, numerics: dict[str, Any]) -> str:
+    _, was_fingerprint, was_root, _, was_numerics, _ = old.setup
+    if len(old.procs) < workers:
+        return f"{workers} asked for, {len(old.procs)} running"
+    if not old.alive():
+        return "a worker process ended"
+    if was_root != cache_root:
+        return f"another cache folder: {cache_root}"
+    return "Inductor's config changed" if was_fingerprint != fingerprint else f"numerics changed: {numerics}"
+
+
+def library_modules() -> list[str]:
+    """shapewise's library modules imported in this process: what registers the custom ops a graph
+    pass puts into graphs, which a worker imports before it unpickles a graph calling them."""
+    return sorted(n for n in sys.modules if n.startswith("shapewise.library"))
 
 
 def _shutdown_shared() -> None:

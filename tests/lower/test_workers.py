@@ -244,8 +244,6 @@ def test_a_graph_with_ops_and_a_local_module_class_goes_to_a_worker():
     # A graph pass's ops (torch's OpOverloads, which do not pickle themselves) go by name, and the
     # nodes' nn_module_stack (the model's classes: here one made inside a function, which does not
     # pickle) is not sent. Both used to keep every transformers model's compiles in the session.
-    import pickle
-
     from tests.helpers import dynamo_graph
 
     class Local(torch.nn.Module):
@@ -258,7 +256,7 @@ def test_a_graph_with_ops_and_a_local_module_class_goes_to_a_worker():
         args = [torch.empty(4, 3)]
     data = workers.task_bytes("c1" * 32, gm, args, {}, {"piece": "test"})
     assert data is not None
-    rebuilt = workers._rebuilt(pickle.loads(data)["gm"])
+    rebuilt = workers._rebuilt(workers.read_task(data)["gm"])
     x = torch.randn(4, 3)
     got = rebuilt(x)
     assert_same(got[0] if isinstance(got, (tuple, list)) else got, (torch.relu(x) + 1) * 2, "rebuilt")
@@ -267,8 +265,6 @@ def test_a_graph_with_ops_and_a_local_module_class_goes_to_a_worker():
 def test_a_workers_graph_keeps_torchs_own_higher_order_ops_and_the_users_annotations():
     # A higher-order op pickled as it is would come back a copy, which Inductor's identity tests
     # do not know; the user's annotations (meta["custom"]) can change what Inductor makes.
-    import pickle
-
     hop = torch.ops.higher_order.wrap_with_autocast
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -279,8 +275,64 @@ def test_a_workers_graph_keeps_torchs_own_higher_order_ops_and_the_users_annotat
     with sw._compat.FakeTensorMode():
         args = [torch.empty(2)]
     data = workers.task_bytes("c2" * 32, gm, args, {}, {"piece": "test"})
-    nodes = list(workers._rebuilt(pickle.loads(data)["gm"]).graph.nodes)
+    nodes = list(workers._rebuilt(workers.read_task(data)["gm"]).graph.nodes)
     assert nodes[1].target is hop and nodes[1].meta == {"custom": {"stage": 1}}
+
+
+def test_a_worker_started_before_a_library_module_imports_it_for_a_task_calling_its_op(tmp_path):
+    # The workers start at the model's first trace; a kernel's module (DecodeGemv's) is imported later,
+    # on its first launch (tuning). They used to be started again for it (each imports torch, seconds
+    # the session then compiled alone); each task now names the modules its worker imports first.
+    from torch._inductor import config as inductor_config
+
+    import shapewise.library.kernels.gemv  # noqa: F401 - registers shapewise::gemv in this process
+
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    product = graph.call_function(torch.ops.shapewise.gemv.default, (x, w))
+    graph.output(graph.call_function(torch.ops.aten.relu.default, (product,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with sw._compat.FakeTensorMode():
+        args = [torch.empty(2, 8), torch.empty(5, 8)]
+    key = "c3" * 32
+    data = workers.task_bytes(key, gm, args, {}, {"piece": "test"})
+    assert data is not None and "shapewise.library.kernels.gemv" in workers.library_modules()
+    setup = (inductor_config.save_config(), sw._compat.inductor_config_fingerprint(), str(tmp_path), [],
+             workers._numerics(), 1)
+    procs = workers._Processes(1, setup)  # set up knowing no library module
+    try:
+        _, outcome, _ = procs.submit(key, data).result(timeout=300)
+    finally:
+        procs.shutdown()
+    assert outcome == "compiled", outcome
+    fn = ArtifactCache(tmp_path).load(key)
+    a, b = torch.randn(2, 8), torch.randn(5, 8)
+    got = fn(a, b)
+    assert_same(got[0] if isinstance(got, (tuple, list)) else got, torch.relu(a @ b.T), "loaded")
+
+
+def test_the_shared_workers_stay_when_library_modules_are_imported_after_their_start(tmp_path, monkeypatch):
+    started = []
+
+    class Fake:
+        def __init__(self, n, setup):
+            self.procs, self.setup = [None] * n, setup
+            started.append(self)
+
+        def alive(self):
+            return True
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(workers, "_Processes", Fake)
+    monkeypatch.setattr(workers, "_SHARED", [])
+    monkeypatch.setattr(workers, "library_modules", lambda: ["shapewise.library"])
+    first = workers._processes(2, str(tmp_path))
+    monkeypatch.setattr(workers, "library_modules", lambda: ["shapewise.library", "shapewise.library.kernels.x"])
+    assert workers._processes(2, str(tmp_path)) is first
+    assert workers._processes(3, str(tmp_path)) is not first  # more asked for: started again
+    assert len(started) == 2
 
 
 def test_what_a_worker_prints_goes_to_stderr_not_into_its_pipe(tmp_path):
