@@ -88,6 +88,11 @@ _DOT_TILINGS = ((16, 256, 4, 4), (16, 256, 4, 6), (16, 512, 4, 3), (16, 512, 8, 
 # registers (ldmatrix). Checked by compiling for sm_90a on a CPU machine (Triton 3.6): wgmma, no ldmatrix.
 _WDOT_TILINGS = ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 256, 4, 4), (128, 128, 4, 3),
                  (128, 128, 8, 4))
+# More wdot tilings, timed only where ``SHAPEWISE_GEMV_WDOT_MORE=1`` (an experiment, 2026-12-07): at a
+# row tile of 64 the shared-memory budget leaves two of the tilings above, and cuBLAS kept the 7B stack's
+# qkv, o and down weights at 64 rows (75-88% of the bandwidth, against wdot's 90% on gate-up).
+_WDOT_MORE_TILINGS = ((64, 64, 4, 8), (128, 64, 4, 6), (128, 64, 8, 6), (64, 128, 4, 5), (128, 128, 8, 3),
+                      (256, 64, 8, 4))
 # The rows tilings (block_n, block_k, warps): weight tiles of 2-8K elements (4-16 KiB in bf16).
 _ROWS_TILINGS = ((1, 2048, 4), (2, 1024, 4), (2, 2048, 4), (4, 512, 4), (4, 1024, 4), (4, 2048, 8), (8, 512, 4),
                  (8, 1024, 8))
@@ -109,6 +114,8 @@ def gemv_configs(n: int, k: int, sms: int = 132, tile: int = 16, glu: bool = Fal
     tilings = [(t, "dot") for t in _DOT_TILINGS]
     if os.environ.get("SHAPEWISE_GEMV_WDOT", "1") != "0":
         tilings += [(t, "wdot") for t in _WDOT_TILINGS]
+        if os.environ.get("SHAPEWISE_GEMV_WDOT_MORE") == "1":
+            tilings += [(t, "wdot") for t in _WDOT_MORE_TILINGS]
     for (bn, bk, warps, stages), kernel in tilings:
         if ((1 + glu) * dot_tile + bn) * bk * 2 * stages > _SMEM_BUDGET or (dot_tile == 16 and bk == 64):
             continue
