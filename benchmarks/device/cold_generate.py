@@ -52,6 +52,13 @@ SIZES = (16, 32, 64, 128, 256)
 
 def child(workers: int, warm_start: bool = False, profile: str | None = None, cpu_layers: int = 0) -> dict:
     t0 = time.perf_counter()
+    if os.environ.get("BENCH_STACKS_AT"):  # every thread's stack on stderr shortly before the parent's timeout
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["BENCH_STACKS_AT"]), exit=False)
+
+    def mark(what: str) -> None:  # progress on stderr (the parent keeps its tail when the child times out)
+        print(f"[{time.perf_counter() - t0:.1f} s] {what}", file=sys.stderr, flush=True)
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -81,6 +88,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
         eager = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
                                cache_implementation="static", output_logits=True, return_dict_in_generate=True)
     want = eager.sequences
+    mark("eager generate() done")
     setup_s = time.perf_counter() - t0
     prof = None
     if profile:
@@ -107,12 +115,14 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     if not cpu_layers:
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t
+    mark(f"first generate() done ({first_s:.1f} s)")
     # With compile workers the first generate() runs once its own sizes are ready; the variants left to
     # the workers are loaded on first use. ready_s: until every variant is (wait() loads the rest).
     pending_at_first = sum(r["source"] == "pending" for r in fast.report())
     t = time.perf_counter()
     fast.wait()
     ready_s = first_s + (time.perf_counter() - t)
+    mark("every variant ready")
     if prof is not None:
         import io
         import pstats
@@ -138,6 +148,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
 
     with torch.no_grad():
         per_token = [t / 32 for t in timed(ids, 32, 3)]
+        mark("decode timed")
         # the same prompt's prefill alone (one new token), median of 5: the decode per token is the rest
         first = timed(ids, 1, 5)
         if os.environ.get("BENCH_PROFILE"):  # a torch.profiler table of one generate() of 32 tokens
@@ -298,6 +309,7 @@ def _cache_env(folder: str) -> dict:
 def _run_child(args: argparse.Namespace, env: dict, workers: int, warm_start: bool,
                profile_to: str | None = None) -> dict:
     t = time.perf_counter()
+    env = {**env, "BENCH_STACKS_AT": str(max(1.0, args.timeout - 10))}
     cmd = [sys.executable, __file__, "--out", args.out, "--child", str(workers),
            *(["--warm-start"] if warm_start else []), *(["--profile-to", profile_to] if profile_to else []),
            "--cpu-layers", str(args.cpu_layers)]
@@ -305,8 +317,10 @@ def _run_child(args: argparse.Namespace, env: dict, workers: int, warm_start: bo
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
             {"workers": workers, "warm_start": warm_start, "error": proc.stderr[-2000:]}
-    except subprocess.TimeoutExpired:
-        row = {"workers": workers, "warm_start": warm_start, "error": f"timed out after {args.timeout} s"}
+    except subprocess.TimeoutExpired as e:  # the child's stacks, dumped 10 s before (where it hangs, or what is slow)
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        row = {"workers": workers, "warm_start": warm_start, "error": f"timed out after {args.timeout} s",
+               "stderr_tail": tail[-6000:]}
     row["process_s"] = round(time.perf_counter() - t, 2)
     print(json.dumps(row), flush=True)
     return row
