@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
                       graph_passes=[sw.library.DecodeGemv(max_tokens=64, pdl=True)]), tokens)
         run("shapewise full cudagraph+DecodeGemv64",
             shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=64)]), tokens)
+        # the RMSNorm before and the residual add after each GEMV in its kernel (DecodeGemv(norm=True))
+        run("shapewise full cudagraph+DecodeGemv64+norm",
+            shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=64, norm=True)]), tokens)
         run("shapewise full cudagraph+DecodeGemv+GLU",
             shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=16, glu=True)]), tokens)
         run("shapewise full cudagraph+DecodeGemv64+GLU",

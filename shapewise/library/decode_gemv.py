@@ -173,12 +173,13 @@ class DecodeGemv(GraphPass):
     """Linear layers with at most ``max_tokens`` rows at a static size -> ``shapewise::gemv``."""
 
     name: ClassVar[str] = "decode_gemv"
-    version: ClassVar[int] = 5  # 2: linear_group -> gemv_group; 3: pdl; 4: glu; 5: glu where its timing pays
+    version: ClassVar[int] = 6  # 2: linear_group -> gemv_group; 3: pdl; 4: glu; 5: glu where its timing pays; 6: norm
     max_tokens: int = 16
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
     pdl: bool = False  # the kernels launched with programmatic dependent launch (kernels/pdl.py)
     glu: bool = False  # a linear of silu(gate) * up -> shapewise::gemv_glu (the activation in the kernel)
+    norm: bool = False  # the RMSNorm before and the residual add after, in the kernel (norm_gemv.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not (
@@ -188,7 +189,8 @@ class DecodeGemv(GraphPass):
         object.__setattr__(self, "devices", _names(self.devices, "devices", _device_name))
         object.__setattr__(self, "dtypes", _names(self.dtypes, "dtypes", _dtype_name))
         for flag, what in (("pdl", "programmatic dependent launch where the GPU has it"),
-                           ("glu", "silu(gate) * up computed in the down projection's kernel")):
+                           ("glu", "silu(gate) * up computed in the down projection's kernel"),
+                           ("norm", "the RMSNorm before and the residual add after a product in its kernel")):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"DecodeGemv({flag}={getattr(self, flag)!r}): say True ({what}) or False")
 
@@ -200,12 +202,13 @@ class DecodeGemv(GraphPass):
             sizes = VariantSizes(sizes)
         op = torch.ops.shapewise.gemv.default
         group, grouped = torch.ops.shapewise.linear_group.default, torch.ops.shapewise.gemv_group.default
-        shapes = []
+        shapes, placed = [], {}
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target is group:
                 shape = self._fits_group(node, sizes)
                 if shape is not None:
                     shapes.append(shape)
+                    placed[node] = shape
                     node.target = grouped
                     if self.pdl:
                         node.args = (*node.args, True)
@@ -231,12 +234,17 @@ class DecodeGemv(GraphPass):
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
+            placed[new] = shape
             if transpose is not None and not transpose.users:
                 gm.graph.erase_node(transpose)
             if gated is not None:
                 _erase_unused(gm.graph, x)
         gm.recompile()
         _tune_ahead(shapes, pdl=self.pdl)
+        if self.norm and shapes:
+            from shapewise.library.norm_gemv import fuse_norms  # registers shapewise::gemv_norm
+
+            fuse_norms(gm, lambda node: node in placed and _kernel_chosen(placed[node]))
         return PassResult(gm, bool(shapes))
 
     def _fits(self, node: torch.fx.Node, x: Any, wv: Any, bias: bool, sizes: VariantSizes) -> tuple | None:
@@ -338,6 +346,18 @@ def _glu_wanted(shape: tuple, pdl: bool = False) -> bool:
         log.warning("shapewise: DecodeGemv could not time silu(x) * up in the kernel for rows=%d weight=[%d, %d] "
                     "(%s: %s); the activation stays a kernel of its own", shape[0], shape[1], shape[2],
                     type(e).__name__, e)
+        return False
+
+
+def _kernel_chosen(shape: tuple) -> bool:
+    """Whether the op runs the kernel for this (rows, N, K, dtype, bias, device), not ``F.linear``: where it
+    can be timed, as tuned (``norm=True`` fuses only those: the fused op always runs the kernel); elsewhere yes."""
+    rows, n, k, dtype, bias, device = shape
+    if not _can_tune(device, n):
+        return True
+    try:
+        return tune(rows, n, k, dtype, bias, device, wait=False) is not None
+    except Exception:  # noqa: BLE001 - _tune_ahead logged it; the plain op stays
         return False
 
 

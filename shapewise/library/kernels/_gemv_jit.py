@@ -47,16 +47,26 @@ if triton is not None:
         gf = g.to(tl.float32)
         return (gf / (1.0 + tl.exp(-gf)) * tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32)).to(g.dtype)
 
+    @triton.jit
+    def _normed(x, ss, g_ptr, k_idx, K, SUM: tl.constexpr):
+        """NORM (an RMSNorm before the product): ``x * g`` in x's dtype (the rows' 1 / rms scales the
+        product after the loop), and with ``SUM`` the rows' sums of squares ``ss`` taken on from this tile."""
+        xf = x.to(tl.float32)
+        if SUM:
+            ss += tl.sum(xf * xf, axis=1)
+        g = tl.load(g_ptr + k_idx, mask=k_idx < K, other=0.0).to(tl.float32)
+        return (xf * g[None, :]).to(x.dtype), ss
+
     # M (rows) is a plain argument, not specialised on its value (Triton would otherwise compile
     # apart for M == 1 and M == 16), and the number of K slices is the grid's: one binary per
     # tiling, split or not, and K's evenness serves every row count, so tuning compiles ~30
     # binaries for a model's five weights, not ~100.
     @triton.jit(do_not_specialize=["M", "prefetch"])
-    def gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk,
+    def gemv_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, chunk, prefetch, sxm, sxk, swn, swk, g_ptr, r_ptr, eps,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                     ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr, EARLY: tl.constexpr,
-                    SWAP: tl.constexpr = False):
+                    SWAP: tl.constexpr = False, NORM: tl.constexpr = False, RES: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         rm = tl.arange(0, BLOCK_M)
@@ -74,6 +84,12 @@ if triton is not None:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)  # NORM: the rows' sums of squares
+        if NORM and SPLIT:  # over the whole row (this program's K slice alone would not do): x read once more
+            for k0 in range(0, K, BLOCK_K):
+                xs = tl.load(x_ptr + rm[:, None] * sxm + (k0 + rk)[None, :] * sxk,
+                             mask=m_ok & ((k0 + rk)[None, :] < K), other=0.0).to(tl.float32)
+                ss += tl.sum(xs * xs, axis=1)
         for kk in range(0, chunk, BLOCK_K):
             if EVEN_K:
                 x_ok = m_ok
@@ -86,6 +102,8 @@ if triton is not None:
             if GLU:  # x is silu(gate) * up
                 x = _glu(x, u_ptrs, x_ok)
                 u_ptrs += BLOCK_K * sxk
+            if NORM:  # x * g now, the rows' 1 / rms after the loop (_normed)
+                x, ss = _normed(x, ss, g_ptr, k_lo + kk + rk, K, not SPLIT)
             if SWAP:
                 acc += tl.dot(w, tl.trans(x))
             else:
@@ -95,11 +113,16 @@ if triton is not None:
         _let_dependents_launch(PDL, EARLY)
         if SWAP:
             acc = tl.trans(acc)
+        if NORM:
+            acc = acc * tl.rsqrt(ss / K + eps)[:, None]
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
             acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
         y_ptrs = y_ptr + rm[:, None] * N + rn[None, :]
         y_ok = m_ok & (rn[None, :] < N)
+        if RES:  # the residual added (by the first K slice's programs where split)
+            res = tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=y_ok, other=0.0).to(tl.float32)
+            acc += tl.where(pid_k == 0, res, 0.0)
         if not SPLIT:
             tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
         else:
@@ -111,10 +134,11 @@ if triton is not None:
     # bytes in flight come from the number of programs, and no partial sums cross programs (no memset,
     # atomics or conversion kernel).
     @triton.jit(do_not_specialize=["M", "prefetch"])
-    def gemv_rows_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, prefetch, sxm, sxk, swn, swk,
+    def gemv_rows_kernel(x_ptr, u_ptr, w_ptr, b_ptr, y_ptr, M, N, K, prefetch, sxm, sxk, swn, swk, g_ptr, r_ptr, eps,
                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                         ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr, EARLY: tl.constexpr):
+                         ELEM: tl.constexpr, PF: tl.constexpr, GLU: tl.constexpr, EARLY: tl.constexpr,
+                         NORM: tl.constexpr = False, RES: tl.constexpr = False):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         rm = tl.arange(0, BLOCK_M)
@@ -123,6 +147,7 @@ if triton is not None:
         n_ok = rn[:, None] < N
         m_ok = rm[:, None] < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             if EVEN_K:
@@ -136,11 +161,18 @@ if triton is not None:
             x = tl.load(x_ptr + x_off, mask=x_ok, other=0.0)
             if GLU:
                 x = _glu(x, u_ptr + x_off, x_ok)
+            if NORM:
+                x, ss = _normed(x, ss, g_ptr, kk, K, True)
             if BLOCK_M == 1:
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
             else:
                 acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         _let_dependents_launch(PDL, EARLY)
+        if NORM:
+            acc = acc * tl.rsqrt(ss / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=m_ok & (rn[None, :] < N))
+        y_ok = m_ok & (rn[None, :] < N)
+        if RES:
+            acc += tl.load(r_ptr + rm[:, None] * N + rn[None, :], mask=y_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_ok)

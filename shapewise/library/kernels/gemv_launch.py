@@ -140,11 +140,15 @@ def _kernels():
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvConfig, *,
-            warmup: bool = False, pdl: bool = False, up: torch.Tensor | None = None) -> torch.Tensor | None:
+            warmup: bool = False, pdl: bool = False, up: torch.Tensor | None = None,
+            norm: tuple[torch.Tensor, float] | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor | None:
     """Run ``cfg`` on (x, w, b); ``warmup=True`` only compiles its binary (nothing runs).
     ``pdl``: with programmatic dependent launch where the device has it (``kernels/pdl.py``).
     ``up`` (x's shape and strides): the product of ``silu(x) * up`` and ``w`` (a gated MLP's down
-    projection, its activation computed as the kernel loads it)."""
+    projection, its activation computed as the kernel loads it). ``norm`` (g [k], contiguous; eps): the
+    product of ``rms_norm(x) * g`` (each row's sum of squares taken as the kernel loads it; the rows'
+    1 / rms scale the product). ``residual`` ([m, n], contiguous, x's dtype): added to the result."""
     m, k = x.shape
     n = w.shape[0]
     tile = row_tile(m)
@@ -161,13 +165,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cfg: GemvC
     ahead = prefetch_elements(w, cfg.split_k, chunk) if pdl else 0  # 0: no prefetch
     strides = (x.stride(0), x.stride(1), w.stride(0), w.stride(1))
     args = (x, up if up is not None else x, w, b if b is not None else w, y, m, n, k,
-            *(() if rows else (chunk,)), ahead, *strides)
+            *(() if rows else (chunk,)), ahead, *strides, norm[0] if norm is not None else w,
+            residual if residual is not None else w, float(norm[1]) if norm is not None else 0.0)
     meta = dict(HAS_BIAS=b is not None, BLOCK_M=tile if rows else max(16, tile), BLOCK_N=cfg.block_n,
                 BLOCK_K=cfg.block_k, EVEN_K=k % (cfg.block_k * cfg.split_k) == 0, PDL=pdl, PREFETCH=ahead > 0,
                 ELEM=w.element_size(), PF=max(1, 32 * cfg.num_warps // cfg.block_n), GLU=up is not None,
                 EARLY=PDL_TRIGGER_EARLY, **({"SWAP": True} if cfg.kernel == "wdot" else {}),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({} if rows else {"SPLIT": cfg.split_k > 1}),
-                **({"launch_pdl": True} if pdl else {}))
+                **({"launch_pdl": True} if pdl else {}), **({"NORM": True} if norm is not None else {}),
+                **({"RES": True} if residual is not None else {}))
     kernel = _kernels()[cfg.kernel]
     if warmup:
         kernel.warmup(*args, grid=grid, **meta)

@@ -1,0 +1,205 @@
+"""``DecodeGemv(norm=True)``: a decode GEMV's RMSNorm before it and residual add after it, in its kernel.
+
+A Llama-style layer at decode runs, between its GEMVs, two kernels of Inductor's: the residual add with
+the RMSNorm after it (``h = h + o_proj(a)``, then ``rms_norm(h) * g`` for gate-up; the same after the
+down projection for the next layer's qkv). Each is a few µs of a few KiB, a launch and a gap in the step.
+Here the norm goes into the next GEMV's loads (the kernel takes each row's sum of squares as it streams
+``x``, multiplies ``x`` by ``g`` as it loads it and scales the product by the rows' ``1 / rms``) and the
+add into the previous GEMV's store (``shapewise::gemv_norm(x, weights, biases, g, eps, residual)``);
+nothing is left between the two.
+
+In: the graph ``DecodeGemv`` rewrote. A ``shapewise::gemv`` or ``gemv_group`` whose input is the
+RMSNorm of a tensor ``h`` (``rms_norm_of``: ``h`` in float32, times ``rsqrt(mean(h²) + eps)``, back in
+``h``'s dtype, times a ``[K]`` weight; each step read by nothing else) reads ``h`` and the norm's weight;
+one whose output only a residual add reads (``residual + y``, same shape and dtype) adds the residual
+itself. Out: ``shapewise::gemv_norm`` calls. Where the op's kernel does not run (the CPU, other dtypes,
+more rows), it computes the same as the graph it replaced, op by op (``reference``).
+
+Numerics: the kernel rounds ``x * g`` to x's dtype for the product, applies ``1 / rms`` to the float32
+product, and adds the residual to it before the one rounding (eager rounds the normed ``x`` twice and the
+product once before the add): within the dtype's rounding of eager.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from shapewise._compat import node_value
+
+# importing these registers shapewise::gemv, shapewise::gemv_group and shapewise::linear_group
+from shapewise.library.fuse_projections import _joined
+from shapewise.library.kernels.gemv import _fast_path, gemv_config
+
+__all__ = ["fuse_norms", "gemv_norm", "reference", "rms_norm_of"]
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+              eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+    """What ``gemv_norm`` computes, as eager computes it (the ops it replaced)."""
+    if norm_weight is not None:
+        xf = x.float()
+        x = norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else residual + y
+
+
+@torch.library.custom_op("shapewise::gemv_norm", mutates_args=())
+def gemv_norm(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+              norm_weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None) -> torch.Tensor:
+    """``residual + F.linear(rms_norm(x) * norm_weight, cat(weights), cat(biases))`` (either part left out
+    where None), through the GEMV kernel with the norm in its loads and the add in its store where it runs."""
+    w = _joined(weights, "weights") if len(weights) > 1 else weights[0]
+    b = (_joined(biases, "biases") if len(biases) > 1 else biases[0]) if biases else None
+    n, k = w.shape
+    rows = x.numel() // max(1, x.shape[-1])
+    fits = _fast_path(x, w, b) and (norm_weight is None or (
+        norm_weight.shape == (k,) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous())) and (
+        residual is None or (residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
+                             and residual.is_contiguous()))
+    if not fits:
+        return reference(x, w, b, norm_weight, eps, residual)
+    from shapewise.library.kernels.gemv_launch import _launch
+
+    x2 = x.reshape(rows, k)
+    with torch.cuda.device(x.device):
+        cfg = gemv_config(x2, w, b, linear=False)
+        y = _launch(x2, w, b, cfg, norm=None if norm_weight is None else (norm_weight, eps),
+                    residual=None if residual is None else residual.reshape(rows, n))
+    return y.reshape(*x.shape[:-1], n)
+
+
+@gemv_norm.register_fake
+def _(x, weights, biases, norm_weight, eps, residual):
+    n = sum(w.shape[0] for w in weights)
+    torch._check(all(w.shape[1] == x.shape[-1] for w in weights),
+                 lambda: f"shapewise::gemv_norm: x's last dim {x.shape[-1]} != the weights' K")
+    return x.new_empty((*x.shape[:-1], n))
+
+
+_GEMVS = ("gemv", "gemv_group")
+_MUL = (operator.mul, torch.mul)
+_ADD = (operator.add, torch.add)
+
+
+def _is(node: Any, fns: tuple = (), method: str | None = None) -> bool:
+    return isinstance(node, torch.fx.Node) and (
+        (node.op == "call_function" and node.target in fns) or (node.op == "call_method" and node.target == method))
+
+
+def _only_user(node: Any, user: torch.fx.Node) -> bool:
+    return isinstance(node, torch.fx.Node) and list(node.users) == [user]
+
+
+def _float32_of(node: Any) -> Any:
+    """``h`` where ``node`` is ``h.float()`` or ``h.to(torch.float32)``, else None."""
+    if _is(node, method="float") and len(node.args) == 1 and not node.kwargs:
+        return node.args[0]
+    if _is(node, method="to") and len(node.args) == 2 and node.args[1] is torch.float32 and not node.kwargs:
+        return node.args[0]
+    return None
+
+
+def _cast_of(node: Any) -> Any:
+    """``t`` where ``node`` is ``t.to(dtype)`` (one dtype argument), else None."""
+    if _is(node, method="to") and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
+        return node.args[0]
+    return None
+
+
+def _pair(node: torch.fx.Node) -> list[tuple[Any, Any]]:
+    return [tuple(node.args), tuple(node.args[::-1])] if len(node.args) == 2 and not node.kwargs else []
+
+
+def rms_norm_of(x: Any) -> tuple[torch.fx.Node, torch.fx.Node, float, list[torch.fx.Node]] | None:
+    """(h, g, eps, the norm's nodes) where ``x`` is ``g * (hf * rsqrt(mean(hf ** 2, -1, keepdim=True) +
+    eps)).to(h.dtype)`` with ``hf = h`` in float32 (either order of each product; LlamaRMSNorm and
+    the like), every node but ``h`` read only inside it; else None."""
+    if not _is(x, _MUL):
+        return None
+    for g, cast in _pair(x):
+        inner = _cast_of(cast)
+        if not (_only_user(cast, x) and _is(inner, _MUL) and _only_user(inner, cast)):
+            continue
+        for hf, r in _pair(inner):
+            h = _float32_of(hf)
+            if h is None or not _is(r, (torch.rsqrt,), "rsqrt") or not _only_user(r, inner):
+                continue
+            plus = r.args[0] if len(r.args) == 1 else None
+            if not (_is(plus, _ADD, "add") and _only_user(plus, r)):
+                continue
+            for mean, eps in _pair(plus):
+                if not (isinstance(eps, float) and _is(mean, (torch.mean,), "mean") and _only_user(mean, plus)):
+                    continue
+                if not (mean.args[1:] in ((-1,), ([-1],)) and mean.kwargs == {"keepdim": True}):
+                    continue
+                sq = mean.args[0]
+                if not (_is(sq, (torch.pow, operator.pow), "pow") and sq.args[1:] == (2,) and not sq.kwargs
+                        and sq.args[0] is hf and _only_user(sq, mean)):
+                    continue
+                if set(hf.users) != {sq, inner}:
+                    continue
+                hv, gv, xv = node_value(h), node_value(g), node_value(x)
+                if not (isinstance(hv, torch.Tensor) and isinstance(gv, torch.Tensor) and isinstance(xv, torch.Tensor)
+                        and gv.dim() == 1 and gv.shape[0] == hv.shape[-1] and cast.args[1] == hv.dtype
+                        and gv.dtype == hv.dtype == xv.dtype):
+                    continue
+                return h, g, eps, [x, cast, inner, r, plus, mean, sq, hf]
+    return None
+
+
+def _residual_add(y: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(the add, the residual) where ``y``'s one reader is ``residual + y`` (or ``y + residual``) of
+    ``y``'s shape and dtype; else None."""
+    users = list(y.users)
+    if len(users) != 1 or not _is(users[0], _ADD, "add"):
+        return None
+    add = users[0]
+    for a, res in _pair(add):
+        if a is y and isinstance(res, torch.fx.Node) and res is not y:
+            yv, rv, av = node_value(y), node_value(res), node_value(add)
+            if isinstance(yv, torch.Tensor) and isinstance(rv, torch.Tensor) and isinstance(av, torch.Tensor) \
+                    and rv.shape == yv.shape == av.shape and rv.dtype == yv.dtype == av.dtype:
+                return add, res
+    return None
+
+
+def fuse_norms(gm: torch.fx.GraphModule, wanted: Any = None) -> int:
+    """Rewrite ``gm``'s ``shapewise::gemv`` / ``gemv_group`` calls (not PDL's) with their RMSNorm and
+    residual add into ``shapewise::gemv_norm``; ``wanted(node)`` (default: every one) says which may be.
+    Returns how many were."""
+    graph, done = gm.graph, 0
+    gemvs = {getattr(torch.ops.shapewise, name).default: name for name in _GEMVS}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in gemvs or (len(node.args) > 3 and node.args[3]):
+            continue
+        if wanted is not None and not wanted(node):
+            continue
+        x, weights, biases = node.args[:3]
+        if gemvs[node.target] == "gemv":
+            weights, biases = [weights], [] if biases is None else [biases]
+        norm = rms_norm_of(x)
+        add = _residual_add(node)
+        if norm is None and add is None:
+            continue
+        h, g, eps = (norm[0], norm[1], norm[2]) if norm is not None else (x, None, 0.0)
+        where = add[0] if add is not None else node
+        with graph.inserting_before(where):
+            new = graph.call_function(torch.ops.shapewise.gemv_norm.default,
+                                      (h, list(weights), list(biases), g, eps, add[1] if add else None))
+        new.meta.update(where.meta)
+        where.replace_all_uses_with(new)
+        if add is not None:
+            graph.erase_node(add[0])
+        graph.erase_node(node)
+        for dead in norm[3] if norm is not None else ():
+            if not dead.users:
+                graph.erase_node(dead)
+        done += 1
+    if done:
+        gm.recompile()
+    return done

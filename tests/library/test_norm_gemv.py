@@ -1,0 +1,169 @@
+"""``DecodeGemv(norm=True)`` and ``shapewise::gemv_norm``: a decode GEMV's RMSNorm before it and residual
+add after it, in its kernel. The rewrite and its limits on the CPU (where the op computes what it replaced,
+op by op), the kernel against float64 on the GPU (marker ``gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shapewise as sw
+from tests.helpers import assert_same
+
+CPU = dict(devices=("cpu",), dtypes=("float32",))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, gemma: bool = False) -> None:
+        super().__init__()
+        self.weight, self.eps, self.gemma = nn.Parameter(1 + 0.1 * torch.randn(dim)), eps, gemma
+
+    def forward(self, x):
+        xf = x.to(torch.float32)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:  # Gemma's (1 + weight), in float32: not the pattern
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * normed.to(x.dtype)
+
+
+class Block(nn.Module):
+    """Two residual sub-blocks, each an RMSNorm then linears (q, k, v of one input; a plain linear)."""
+
+    def __init__(self, dim: int = 32, gemma: bool = False, leak: bool = False) -> None:
+        super().__init__()
+        self.n1, self.n2 = RMSNorm(dim, gemma=gemma), RMSNorm(dim, eps=1e-5, gemma=gemma)
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(3 * dim, dim, bias=True)
+        self.up, self.down = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+        self.leak = leak
+
+    def forward(self, h):
+        x = self.n1(h)
+        h = h + self.o(torch.cat([self.q(x), self.k(x), self.v(x)], -1))
+        x = self.n2(h)
+        h = h + self.down(torch.relu(self.up(x)))
+        return (h, x) if self.leak else h  # leak: the normed value read outside the products
+
+
+def _compiled(model, sizes=(1, 3, 8), **gemv):
+    return sw.compile(model, sizes=list(sizes), backend="aot_eager", cache=False,
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, norm=True, **CPU, **gemv)])
+
+
+def _codes(fast) -> dict[str, str]:
+    return {v.binding.describe(): (v.gm if v.gm is not None else p.gm).code
+            for r in fast.runnables for p in r.program.compute_pieces for v in p.variants}
+
+
+def test_the_norm_and_residual_add_go_into_the_gemvs_at_decode_sizes_and_answer_as_eager():
+    torch.manual_seed(0)
+    model = Block().eval()
+    fast = _compiled(model)
+    with torch.no_grad():
+        for n in (1, 3, 8, 1):
+            h = torch.randn(n, 32)
+            assert_same(fast(h), model(h), f"n={n}")
+    counts = sorted((c.count("shapewise.gemv_norm.default"), c.count("torch.rsqrt("),
+                     c.count("shapewise.gemv.default")) for c in _codes(fast).values())
+    # q, k, v each with the first norm (its nodes then unread: gone), o with the first residual, up with the
+    # second norm, down with the second residual: 6 fused calls, no rsqrt, no plain gemv; above max_tokens none
+    assert counts == [(0, 2, 0), (6, 0, 0), (6, 0, 0)], counts  # n = 8, then n = 1 and 3
+
+
+def test_fused_projections_and_a_transformers_llama_answer_as_eager():
+    pytest.importorskip("transformers")
+    from tests.models.configs import DECODERS
+
+    torch.manual_seed(0)
+    config, cls = DECODERS["llama"]
+    model = cls(config()).eval()
+    sw.library.pack_projections(model)
+    fast = sw.compile(model, dynamic_dims={"input_ids": {1: "seq"}}, sizes={"seq": [1, 4, 8]}, backend="aot_eager",
+                      cache=False, graph_passes=[sw.library.FuseProjections(),
+                                                 sw.library.DecodeGemv(max_tokens=4, norm=True, **CPU)])
+    with torch.no_grad():
+        for seq in (1, 4, 8):
+            ids = torch.randint(3, 128, (1, seq))
+            assert_same(fast(input_ids=ids).logits, model(input_ids=ids).logits, f"seq={seq}")
+    fused = sorted(c.count("shapewise.gemv_norm.default") for c in _codes(fast).values())
+    # per layer (2): qkv with its norm, o with the residual, gate-up with its norm, down with the residual;
+    # the final norm (a slice between it and the head) stays
+    assert fused == [0, 8, 8], fused
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_a_norm_read_elsewhere_or_of_another_form_stays(leak):
+    torch.manual_seed(0)
+    model = Block(gemma=not leak, leak=leak).eval()
+    fast = _compiled(model, sizes=(2,))
+    with torch.no_grad():
+        h = torch.randn(2, 32)
+        assert_same(fast(h), model(h), "n=2")
+    (code,) = _codes(fast).values()
+    # The residual adds go into o and down either way. Gemma's (1 + weight) norm is not the pattern: both
+    # stay, q, k, v and up plain. A normed value read outside the products (leak) is still computed in
+    # up's kernel, but its nodes stay for the other reader (the first norm's go: q, k, v read it alone).
+    assert code.count("torch.rsqrt(") == (1 if leak else 2), code
+    assert code.count("shapewise.gemv_norm.default") == (6 if leak else 2)
+    assert code.count("shapewise.gemv.default") == (0 if leak else 4)
+
+
+def test_the_op_is_what_it_replaced_off_the_kernel_and_passes_torchs_checks():
+    import shapewise.library.norm_gemv as ng
+
+    torch.manual_seed(0)
+    x, g = torch.randn(3, 24), torch.randn(24)
+    ws, bs = [torch.randn(10, 24), torch.randn(6, 24)], [torch.randn(10), torch.randn(6)]
+    res = torch.randn(3, 16)
+    got = torch.ops.shapewise.gemv_norm(x, ws, bs, g, 1e-5, res)
+    xn = g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert_same(got, res + F.linear(xn, torch.cat(ws), torch.cat(bs)), "op")
+    assert_same(torch.ops.shapewise.gemv_norm(x, ws[:1], [], None, 0.0, None), F.linear(x, ws[0]), "plain")
+    torch.library.opcheck(torch.ops.shapewise.gemv_norm.default, (x, ws, bs, g, 1e-5, res),
+                          test_utils=("test_schema", "test_faketensor"))
+    assert ng.reference(x, ws[0], None, None, 0.0, None).shape == (3, 10)
+
+
+def test_the_option_is_checked_and_in_the_key():
+    with pytest.raises(sw.ConfigError, match=r"DecodeGemv\(norm='yes'\)"):
+        sw.library.DecodeGemv(norm="yes")
+    assert "norm=True" in sw.library.DecodeGemv(norm=True).spec() and "norm" not in sw.library.DecodeGemv().spec()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_with_the_norm_and_residual_matches_float64_at_every_config(dtype, monkeypatch):
+    monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")
+    from shapewise.library.kernels.gemv import _launch, gemv_configs, row_tile
+
+    torch.manual_seed(0)
+    for m, n, k in ((1, 2048, 2048), (3, 1000, 1000), (16, 4096, 4096), (17, 512, 1024), (64, 1000, 4096)):
+        x = torch.randn(m, k, device="cuda", dtype=dtype) * 3
+        w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+        g = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dtype)
+        res = torch.randn(m, n, device="cuda", dtype=dtype)
+        xd = x.double()
+        normed = g.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+        for norm, residual in (((g, 1e-5), None), (None, res), ((g, 1e-5), res)):
+            ref = F.linear(normed if norm else xd, w.double()) + (0 if residual is None else res.double())
+            for cfg in gemv_configs(n, k, tile=row_tile(m)):  # split-K ones among them
+                y = _launch(x, w, None, cfg, norm=norm, residual=residual)
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                assert y.shape == (m, n) and y.dtype == dtype and err < 1e-2, (m, n, k, str(cfg), err)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_compiled_block_with_norm_in_full_graphs_matches_float64():
+    torch.manual_seed(0)
+    model = Block(dim=512).cuda().to(torch.bfloat16).eval()
+    fast = sw.compile(model, sizes=[1, 4, 16], cudagraphs="full",
+                      graph_passes=[sw.library.DecodeGemv(norm=True, max_tokens=16)])
+    with torch.no_grad():
+        for n in (1, 4, 16, 1):
+            h = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
+            got, ref = fast(h), model.double()(h.double())
+            model.to(torch.bfloat16)
+            assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2, n
+    assert any("gemv_norm" in c for c in _codes(fast).values())
