@@ -140,7 +140,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
                      batch_updates: bool | None = None, decode_gemv: bool | None = None,
                      defer_stop: bool | None = None, pdl: bool = False, graph_masks: bool = False,
-                     keep_cache: bool = False,
+                     keep_cache: bool | None = None,
                      **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
@@ -228,14 +228,18 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     value) fails its first compile without it: ``generate()`` then says so in a warning and runs with
     transformers' masks, for that call and every later one.
     ``keep_cache``: with a static cache, ``generate()`` uses one cache the model keeps (``_compat.kept_static_cache``),
-    not transformers' new one per call, whose tensors move: each call captured its decode graph again (an H100,
-    the 1B, every trace whole: 2.45 ms a decode token of a 32-token ``generate()`` against 1.44 split, where the new
-    cache happened to land where the old one was; benchmarks/results/default_split_h100_20261207) and its prefill
-    ran uncaptured. The cache is initialised before the prefill, which 6 of 154 architectures do not compile with
-    (OPT, BioGPT read the cache's length as a value there; Falcon, GPT-BigCode and 2 more have heads other than
-    transformers' init shape says): their first call warns, turns it off and runs again without it (as
-    ``graph_masks``; benchmarks/results/sweep_cpu_keep_cache). Off by default until timed on a GPU. The kept
-    cache holds its memory; a call that returns its cache (``return_dict_in_generate``) returns a copy.
+    not transformers' new one per call, whose tensors move: each call captured its decode graph again, and its
+    prefill ran uncaptured (the new cache's counter on the host). Default: on with a static cache in CUDA graphs
+    (``cudagraphs`` set), off otherwise. On an H200 (the 1B, the default's split prompt trace, 4 workers,
+    benchmarks/results/keep_cache_h200_20261207) a 32-token ``generate()`` took 1.19 ms a token against 1.59,
+    the decode 1.09 against 1.25 ms a token and a 64-token prompt's prefill 4.4 against 12.1 ms, with no graph
+    captured again. The cache is initialised before the prefill, which 6 of 154 architectures do not compile
+    with (OPT, BioGPT read the cache's length as a value there; Falcon, GPT-BigCode and 2 more have heads other
+    than transformers' init shape says): their first call turns it off for the model, says so (a warning where
+    it was asked for, an info line where it was the default) and runs again without it (as ``graph_masks``;
+    benchmarks/results/sweep_cpu_keep_cache); where it was the default, a call given state it may change
+    (a streamer, processors, a cache) runs without it until a call has run with it. The kept cache holds its
+    memory; a call that returns its cache (``return_dict_in_generate``) returns a copy.
     Other options go to ``shapewise.compile``.
     """
     clash = [k for k in _OWN if k in options]
@@ -248,8 +252,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         raise ConfigError(f"max_length must be >= 2 (a prompt and one new token), got {max_length}")
     if not isinstance(graph_masks, bool):
         raise ConfigError(f"graph_masks must be True or False, got {graph_masks!r}")
-    if not isinstance(keep_cache, bool):
-        raise ConfigError(f"keep_cache must be True or False, got {keep_cache!r}")
+    if keep_cache is not None and not isinstance(keep_cache, bool):
+        raise ConfigError(f"keep_cache must be True, False or None (the default: on with a static cache in CUDA "
+                          f"graphs), got {keep_cache!r}")
     static_cache = _static_cache_for(model, static_cache)
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
@@ -361,7 +366,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     # Both wrap transformers' own generate() only, not one the model already replaced (Hub code).
     borrow = bool(cudagraphs_options(options.get("cudagraphs", False))) and static_cache
     own_generate = not hasattr(model, "generate") or "generate" in vars(model)
-    for name, on in (("graph_masks", graph_masks), ("keep_cache", keep_cache)):
+    asked_keep = keep_cache is not None
+    if keep_cache is None:  # where steps replay CUDA graphs: a new cache per call would move their inputs
+        keep_cache = borrow
+    for name, on in (("graph_masks", graph_masks), ("keep_cache", keep_cache if asked_keep else False)):
         if on and not static_cache:
             log.warning("shapewise: compile_generate(%s=True) does nothing without a static cache%s", name,
                         ": transformers builds masks outside the forward only for one" if name == "graph_masks" else "")
@@ -371,5 +379,5 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     graph_masks, keep_cache = graph_masks and static_cache, keep_cache and static_cache
     if (borrow or defer_stop or graph_masks or keep_cache) and not own_generate:
         model.generate = _shapewise_generate(model, borrow=borrow, defer_stop=defer_stop, graph_masks=graph_masks,
-                                             keep_cache=keep_cache)
+                                             keep_cache=keep_cache, keep_asked=asked_keep)
     return fast

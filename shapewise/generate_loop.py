@@ -49,7 +49,7 @@ def _keeps_outputs(model: torch.nn.Module, kwargs: dict) -> str | None:
 
 
 def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_stop: bool = False,
-                        graph_masks: bool = False, keep_cache: bool = False) -> Any:
+                        graph_masks: bool = False, keep_cache: bool = False, keep_asked: bool = True) -> Any:
     """``model.generate`` that runs inside ``borrowed_outputs()`` (the CUDA graphs' logits not
     copied per step; ``borrow``) where the call keeps no output tensor (``_keeps_outputs``, on its
     arguments bound by name: a positional ``generation_config`` counts), inside
@@ -57,7 +57,8 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
     step late, so the host is never held at a step's end waiting for the GPU) and inside
     ``_compat.masks_in_graph()`` (``graph_masks``: an unpadded call's masks built in the graph) and inside
     ``_compat.kept_static_cache()`` (``keep_cache``: one static cache from call to call; a call that returns
-    its cache returns a copy)."""
+    its cache returns a copy; ``keep_asked`` False: on by default, so its fallback says so at info level, and a
+    call given state it may change runs without it until a call has run with it)."""
     generate = model.generate
     try:
         signature = inspect.signature(generate)
@@ -98,6 +99,9 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
     def generate_shapewise(*args: Any, **kwargs: Any) -> Any:
         masks = generate_shapewise.shapewise_graph_masks  # (each off for good once a forward failed with it)
         keep = generate_shapewise.shapewise_keeps_cache
+        if keep and not keep_asked and not generate_shapewise.shapewise_kept_once:
+            named = by_name(args, kwargs)  # the default's first calls: none that a failed compile would spoil
+            keep = named is not None and not set(named) & _CALL_STATE
         if not masks and not keep:
             return run(args, kwargs, False, False)
         rng = _rng_states()
@@ -107,6 +111,7 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
             for call in calls:
                 if call is not None:
                     call.done()
+                    generate_shapewise.shapewise_kept_once = True
             return out
         except Exception as e:  # noqa: BLE001 - raised again below unless one of these options caused it
             # A forward that reads the mask's length as a value (OPT's positions) does not compile without
@@ -132,8 +137,11 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
                                    f"given {given}, which it may have used: call generate() again") from e
             _set_rng_states(rng)
             _turn_off(option)
-            log.warning("shapewise: compile_generate(%s=True): %s's forward did not compile %s (%s); generate() runs "
-                        "without it from now on, this call too", option, type(model).__name__, what, why)
+            asked = option == "graph_masks" or keep_asked
+            log.log(logging.WARNING if asked else logging.INFO,
+                    "shapewise: compile_generate(%s=True%s): %s's forward did not compile %s (%s); generate() runs "
+                    "without it from now on, this call too", option, "" if asked else ", the default here",
+                    type(model).__name__, what, why)
             if option == "graph_masks":
                 return generate_shapewise(*args, **kwargs)  # (the kept cache may fail in its turn)
             try:
@@ -153,6 +161,7 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
     generate_shapewise.shapewise_defers_stop = defer_stop
     generate_shapewise.shapewise_graph_masks = graph_masks
     generate_shapewise.shapewise_keeps_cache = keep_cache
+    generate_shapewise.shapewise_kept_once = False  # a call has run with the kept cache
     return generate_shapewise
 
 

@@ -93,7 +93,8 @@ def test_static_cache_decode_in_cuda_graphs_equals_eager(cudagraphs, monkeypatch
     # CUDA graphs of its own whose outputs the next step overwrites)
     want = model.generate(prompt, **keep, cache_implementation="static", disable_compile=True)
     fast = sw.compile_generate(model, prompt_sizes=[12], max_length=64, static_cache=True, backend="inductor",
-                               cudagraphs=cudagraphs, keep_cache=True)
+                               cudagraphs=cudagraphs)  # keep_cache: on by default in CUDA graphs
+    assert model.generate.shapewise_keeps_cache
     decode_steps = 0
     for _ in range(2):  # the second generate() replays the captured graphs
         out = model.generate(prompt, max_new_tokens=16, do_sample=False)
@@ -460,7 +461,7 @@ def test_keep_cache_reuses_one_static_cache_and_gives_eagers_tokens():
         assert_same((a.keys[..., :n, :], a.values[..., :n, :]), (b.keys, b.values), "the returned cache")
         assert not a.keys[..., n:, :].any()
     assert fast.traces == 2
-    with pytest.raises(sw.ConfigError, match="keep_cache must be True or False, got 'yes'"):
+    with pytest.raises(sw.ConfigError, match="keep_cache must be True, False or None .*, got 'yes'"):
         sw.compile_generate(_llama(), prompt_sizes=[4], keep_cache="yes")
 
 

@@ -206,3 +206,38 @@ def _keep_model(name: str):
     # architecture sweep's tiny configs set it to 2)
     config.num_key_value_heads = 2
     return transformers.FalconForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("name", ["opt", "llama"])
+def test_keep_cache_by_default_spares_calls_given_state_until_it_has_run_and_falls_back_quietly(name, caplog):
+    # keep_cache on by default (compile_generate's choice with a static cache in CUDA graphs, which this CPU
+    # machine has not: the wrapper is made as compile_generate makes it there). A call given state a failed
+    # compile would spoil (a streamer) runs without it until a call has run with it; OPT's forward does not
+    # compile with it: the first plain call turns it off, says so at info level (not a warning: the user did
+    # not ask for it), and runs again. Eager's tokens throughout.
+    from shapewise.generate_loop import _shapewise_generate
+
+    class Streamer:
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(5))
+    model = _keep_model(name)
+    want = _eager(model, ids)
+    sw.compile_generate(model, keep_cache=False, **KW)
+    model.generate = _shapewise_generate(model, borrow=False, keep_cache=True, keep_asked=False)
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="shapewise"):
+        assert torch.equal(model.generate(ids, streamer=Streamer(), **RUN), want)
+        assert model.generate.shapewise_keeps_cache and not model.generate.shapewise_kept_once
+        assert not getattr(model._prepare_static_cache, "shapewise_kept", None)  # no kept cache made
+        assert torch.equal(model.generate(ids, **RUN), want)
+        assert torch.equal(model.generate(ids, streamer=Streamer(), **RUN), want)
+    said = [r for r in caplog.records if "keep_cache=True, the default here" in r.getMessage()]
+    if name == "opt":
+        assert [r.levelno for r in said] == [logging.INFO] and not model.generate.shapewise_keeps_cache
+    else:
+        assert not said and model.generate.shapewise_kept_once and model.generate.shapewise_keeps_cache
+        assert len(model._prepare_static_cache.shapewise_kept) == 1
