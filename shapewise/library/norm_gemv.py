@@ -81,6 +81,45 @@ def _(x, weights, biases, norm_weight, eps, residual):
     return x.new_empty((*x.shape[:-1], n))
 
 
+def _setup(ctx, inputs, output) -> None:
+    x, weights, biases, norm_weight, eps, residual = inputs
+    ctx.save_for_backward(x, norm_weight, residual, *weights, *biases)
+    ctx.split, ctx.eps = (len(weights), norm_weight is not None, residual is not None), eps
+
+
+def _backward(ctx, grad):
+    """The gradients of ``reference`` (recomputed from the saved inputs: the op is for decode, where nothing
+    needs a gradient; training through it is right, not fast)."""
+    x, g, res, *rest = ctx.saved_tensors
+    count, has_norm, has_res = ctx.split
+    weights, biases = rest[:count], rest[count:]
+    needs = ctx.needs_input_grad
+
+    def each(flag: Any, n: int) -> list[bool]:  # a list input's flags: one, or one per tensor
+        return [bool(f) for f in flag] if isinstance(flag, (list, tuple)) else [bool(flag)] * n
+
+    leaves = [t.detach().requires_grad_(need) for t, need in zip((x, g, res, *weights, *biases), (
+        bool(needs[0]), has_norm and bool(needs[3]), has_res and bool(needs[5]),
+        *each(needs[1], len(weights)), *each(needs[2], len(biases)))) if t is not None]
+    xs, gs = leaves[0], leaves[1] if has_norm else None
+    rs = leaves[1 + has_norm] if has_res else None
+    ws, bs = leaves[1 + has_norm + has_res:][:count], leaves[1 + has_norm + has_res + count:]
+    with torch.enable_grad():
+        out = reference(xs, torch.cat(ws) if count > 1 else ws[0], (torch.cat(bs) if len(bs) > 1 else bs[0])
+                        if bs else None, gs, ctx.eps, rs)
+        wanted = [t for t in leaves if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+    grads = {id(t): next(got) for t in wanted}
+    pick = [grads.get(id(t)) for t in leaves]
+    gx, gg = pick[0], pick[1] if has_norm else None
+    gr = pick[1 + has_norm] if has_res else None
+    gw, gb = pick[1 + has_norm + has_res:][:count], pick[1 + has_norm + has_res + count:]
+    return gx, list(gw), list(gb), gg, None, gr
+
+
+gemv_norm.register_autograd(_backward, setup_context=_setup)
+
+
 _GEMVS = ("gemv", "gemv_group")
 _MUL = (operator.mul, torch.mul)
 _ADD = (operator.add, torch.add)
