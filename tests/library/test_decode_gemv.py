@@ -199,6 +199,7 @@ def test_max_tokens_beyond_the_kernel_is_refused_and_configs_fit_the_weight(monk
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernel_matches_float64_at_every_config(dtype, monkeypatch):
     monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")  # the rows kernel's configs too
+    monkeypatch.setenv("SHAPEWISE_GEMV_WDOT_MORE", "1")  # and the experiment's wdot tilings
     from shapewise.library.kernels.gemv import _launch
 
     torch.manual_seed(0)

@@ -156,6 +156,7 @@ def test_the_option_is_checked_and_in_the_key():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_kernel_with_the_norm_and_residual_matches_float64_at_every_config(dtype, monkeypatch):
     monkeypatch.setenv("SHAPEWISE_GEMV_ROWS", "1")
+    monkeypatch.setenv("SHAPEWISE_GEMV_WDOT_MORE", "1")
     from shapewise.library.kernels.gemv import _launch, gemv_configs, row_tile
 
     torch.manual_seed(0)
