@@ -41,7 +41,9 @@ EXPECTED = {
                         "shapewise.decode_attention.default(reshape_2, l_k_, l_v_, l_mask_, None)",
                         "3 tokens rewritten: False",
                         "torch.ops.aten._foreach_add_.Scalar([l_layers_0_counter, l_layers_1_counter, "
-                        "l_layers_2_counter], 1)", "counters: [1, 1, 1]"],
+                        "l_layers_2_counter], 1)", "counters: [1, 1, 1]",
+                        "gemv_norm.default(l_x_, [q_weight, k_weight, v_weight], [], n1_weight, 1e-06, None)",
+                        "gemv_norm.default(att, [o_weight], [], None, 0.0, l_x_)"],
 }
 
 
