@@ -110,8 +110,9 @@ def _shapewise_generate(model: torch.nn.Module, *, borrow: bool = True, defer_st
             out = run(args, kwargs, masks, keep, calls)
             for call in calls:
                 if call is not None:
+                    if call.holding is not None:  # (a call may not take it: a dynamic cache, use_cache=False)
+                        generate_shapewise.shapewise_kept_once = True
                     call.done()
-                    generate_shapewise.shapewise_kept_once = True
             return out
         except Exception as e:  # noqa: BLE001 - raised again below unless one of these options caused it
             # A forward that reads the mask's length as a value (OPT's positions) does not compile without

@@ -17,7 +17,10 @@ more rows), it computes the same as the graph it replaced, op by op (``reference
 
 Numerics: the kernel rounds ``x * g`` to x's dtype for the product, applies ``1 / rms`` to the float32
 product, and adds the residual to it before the one rounding (eager rounds the normed ``x`` twice and the
-product once before the add): within the dtype's rounding of eager.
+product once before the add): within the dtype's rounding of eager. In bfloat16 only: in float16, ``x * g``
+before the scale can pass the dtype's range where eager's ``x / rms`` does not (the op then runs the ops it
+replaced). Nothing moves past an in-place write: where a node between the norm (or the product) and the add
+may write a tensor in place, that part is left unfused.
 """
 
 from __future__ import annotations
@@ -57,8 +60,11 @@ def gemv_norm(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.T
     b = (_joined(biases, "biases") if len(biases) > 1 else biases[0]) if biases else None
     n, k = w.shape
     rows = x.numel() // max(1, x.shape[-1])
+    # (float16 and the norm: the kernel loads x * g before the 1 / rms scale, which a residual stream's
+    # large values times g can take past float16's range; eager scales first)
     fits = _fast_path(x, w, b) and (norm_weight is None or (
-        norm_weight.shape == (k,) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous())) and (
+        norm_weight.shape == (k,) and norm_weight.dtype == x.dtype == torch.bfloat16
+        and norm_weight.is_contiguous())) and (
         residual is None or (residual.shape == (*x.shape[:-1], n) and residual.dtype == x.dtype
                              and residual.is_contiguous()))
     if not fits:
@@ -68,6 +74,8 @@ def gemv_norm(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.T
     x2 = x.reshape(rows, k)
     with torch.cuda.device(x.device):
         cfg = gemv_config(x2, w, b, linear=False)
+        if cfg is None:  # no config of the kernel ran for this weight (stored so): the ops it replaced
+            return reference(x, w, b, norm_weight, eps, residual)
         y = _launch(x2, w, b, cfg, norm=None if norm_weight is None else (norm_weight, eps),
                     residual=None if residual is None else residual.reshape(rows, n))
     return y.reshape(*x.shape[:-1], n)
@@ -154,6 +162,36 @@ def _pair(node: torch.fx.Node) -> list[tuple[Any, Any]]:
     return [tuple(node.args), tuple(node.args[::-1])] if len(node.args) == 2 and not node.kwargs else []
 
 
+def _mutates(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write a tensor in place (``add_``, ``index_copy_``, an op whose schema is mutable,
+    ``operator.iadd``...): reads moved past it would see the new values."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.is_mutable
+    if node.target in _IN_PLACE_OPERATORS:
+        return True
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.endswith("__")
+
+
+_IN_PLACE_OPERATORS = {getattr(operator, f"i{n}") for n in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")}
+
+
+def _writes_between(first: torch.fx.Node, last: torch.fx.Node) -> bool:
+    """Whether a node after ``first`` and before ``last`` (graph order) may write in place."""
+    node = first.next
+    while node is not last and node.op != "root":
+        if _mutates(node):
+            return True
+        node = node.next
+    return False
+
+
 def rms_norm_of(x: Any) -> tuple[torch.fx.Node, torch.fx.Node, float, list[torch.fx.Node]] | None:
     """(h, g, eps, the norm's nodes) where ``x`` is ``g * (hf * rsqrt(mean(hf ** 2, -1, keepdim=True) +
     eps)).to(h.dtype)`` with ``hf = h`` in float32 (either order of each product; LlamaRMSNorm and
@@ -223,6 +261,13 @@ def fuse_norms(gm: torch.fx.GraphModule, wanted: Any = None) -> int:
             weights, biases = [weights], [] if biases is None else [biases]
         norm = rms_norm_of(x)
         add = _residual_add(node)
+        # The fused op reads h (the norm's input) and x where the add (or the product) was: not past a write.
+        if norm is not None and _writes_between(norm[3][-1], add[0] if add is not None else node):
+            norm = None
+        if norm is not None and getattr(node_value(norm[0]), "dtype", None) == torch.float16:
+            norm = None  # (the kernel's x * g could overflow: the op would run the ops it replaced, unfused)
+        if add is not None and _writes_between(node, add[0]):
+            add = None
         if norm is None and add is None:
             continue
         h, g, eps = (norm[0], norm[1], norm[2]) if norm is not None else (x, None, 0.0)

@@ -412,7 +412,7 @@ def _why_new(old: _Processes, workers: int, fingerprint: str, cache_root: str, n
 def library_modules() -> list[str]:
     """shapewise's library modules imported in this process: what registers the custom ops a graph
     pass puts into graphs, which a worker imports before it unpickles a graph calling them."""
-    return sorted(n for n in sys.modules if n.startswith("shapewise.library"))
+    return sorted(n for n in list(sys.modules) if n.startswith("shapewise.library"))  # (a copy: threads import)
 
 
 def _shutdown_shared() -> None:

@@ -49,7 +49,7 @@ class Block(nn.Module):
 
 def _compiled(model, sizes=(1, 3, 8), **gemv):
     return sw.compile(model, sizes=list(sizes), backend="aot_eager", cache=False,
-                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, norm=True, **CPU, **gemv)])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, norm=True, **{**CPU, **gemv})])
 
 
 def _codes(fast) -> dict[str, str]:
@@ -108,6 +108,71 @@ def test_a_norm_read_elsewhere_or_of_another_form_stays(leak):
     assert code.count("torch.rsqrt(") == (1 if leak else 2), code
     assert code.count("shapewise.gemv_norm.default") == (6 if leak else 2)
     assert code.count("shapewise.gemv.default") == (0 if leak else 4)
+
+
+class WriteAfterProduct(nn.Module):  # the product's input written in place before the residual add
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32, bias=False)
+
+    def forward(self, h):
+        x = h * 1.0
+        y = self.lin(x)
+        x.mul_(2)
+        return x + y
+
+
+class WriteAfterNorm(nn.Module):  # the norm's input written in place between the norm and the product
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.lin = RMSNorm(32), nn.Linear(32, 32, bias=False)
+
+    def forward(self, h):
+        h = h * 1.0
+        x = self.norm(h)
+        h.add_(1)
+        return self.lin(x), h
+
+
+@pytest.mark.parametrize("cls", [WriteAfterProduct, WriteAfterNorm])
+def test_nothing_is_read_past_an_in_place_write(cls):
+    # The fused op reads the norm's input (or the product's) where the add (or the product) was: where a
+    # node between may write it in place, that part stays unfused (found by a review: both gave wrong answers).
+    torch.manual_seed(0)
+    model = cls().eval()
+    fast = _compiled(model, sizes=(2,))
+    h = torch.randn(2, 32)
+    with torch.no_grad():
+        assert_same(fast(h.clone()), model(h.clone()), cls.__name__)
+    (code,) = _codes(fast).values()
+    assert "gemv_norm" not in code, code
+
+
+def test_float16_keeps_its_norms_and_fuses_the_residual_adds():
+    # In float16 the kernel's x * g (before the 1 / rms scale) could pass the dtype's range where eager's
+    # x / rms does not: the norms stay (the op would only run them unfused), the residual adds go in.
+    torch.manual_seed(0)
+    model = Block().eval().half()
+    fast = _compiled(model, sizes=(2,), dtypes=("float16",), devices=("cpu",))
+    h = torch.randn(2, 32, dtype=torch.float16)
+    with torch.no_grad():
+        assert_same(fast(h), model(h), "fp16")
+    (code,) = _codes(fast).values()
+    assert code.count("shapewise.gemv_norm.default") == 2 and code.count("torch.rsqrt(") == 2, code
+
+
+def test_the_op_runs_the_replaced_ops_where_no_kernel_config_ran(monkeypatch):
+    # The tuner may store no config of the kernel for a weight (None); the op then computes as the graph did.
+    import contextlib
+
+    import shapewise.library.norm_gemv as ng
+
+    monkeypatch.setattr(ng, "_fast_path", lambda *a: True)  # as on a GPU with Triton
+    monkeypatch.setattr(ng, "gemv_config", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    x, w, g = torch.randn(2, 32, dtype=torch.bfloat16), torch.randn(8, 32, dtype=torch.bfloat16), \
+        torch.randn(32, dtype=torch.bfloat16)
+    assert_same(ng.gemv_norm(x, [w], [], g, 1e-6, None), ng.reference(x, w, None, g, 1e-6, None), "no config")
 
 
 def test_training_through_the_fused_op_matches_eager():

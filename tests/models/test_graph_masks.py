@@ -214,7 +214,8 @@ def test_keep_cache_by_default_spares_calls_given_state_until_it_has_run_and_fal
     # machine has not: the wrapper is made as compile_generate makes it there). A call given state a failed
     # compile would spoil (a streamer) runs without it until a call has run with it; OPT's forward does not
     # compile with it: the first plain call turns it off, says so at info level (not a warning: the user did
-    # not ask for it), and runs again. Eager's tokens throughout.
+    # not ask for it), and runs again. Eager's tokens throughout. A call that took no kept cache (a dynamic one)
+    # does not count as having run with it.
     from shapewise.generate_loop import _shapewise_generate
 
     class Streamer:
@@ -230,6 +231,7 @@ def test_keep_cache_by_default_spares_calls_given_state_until_it_has_run_and_fal
     sw.compile_generate(model, keep_cache=False, **KW)
     model.generate = _shapewise_generate(model, borrow=False, keep_cache=True, keep_asked=False)
     with torch.no_grad(), caplog.at_level(logging.INFO, logger="shapewise"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="dynamic")  # keeps no cache
         assert torch.equal(model.generate(ids, streamer=Streamer(), **RUN), want)
         assert model.generate.shapewise_keeps_cache and not model.generate.shapewise_kept_once
         assert not getattr(model._prepare_static_cache, "shapewise_kept", None)  # no kept cache made
