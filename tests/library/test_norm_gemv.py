@@ -72,12 +72,17 @@ def test_the_norm_and_residual_add_go_into_the_gemvs_at_decode_sizes_and_answer_
     assert counts == [(0, 2, 0), (6, 0, 0), (6, 0, 0)], counts  # n = 8, then n = 1 and 3
 
 
-def test_fused_projections_and_a_transformers_llama_answer_as_eager():
+# per variant (2 layers): Llama-style layers take 4 each (qkv and gate-up their norm, o and down their residual
+# add); Qwen3's per-head q/k norms come after the products and stay; Phi-3 takes 2 a layer. (Gemma's
+# (1 + weight) norm and GPT-2's LayerNorm are not the pattern: nothing fused, eager's logits; checked by hand
+# on 2026-12-07, with Qwen2 and Mistral (8), GPT-NeoX and OPT (0); too slow to keep here.)
+@pytest.mark.parametrize(("arch", "fused"), [("llama", 8), ("qwen3", 8), ("phi3", 4)])
+def test_fused_projections_and_transformers_decoders_answer_as_eager(arch, fused):
     pytest.importorskip("transformers")
     from tests.models.configs import DECODERS
 
     torch.manual_seed(0)
-    config, cls = DECODERS["llama"]
+    config, cls = DECODERS[arch]
     model = cls(config()).eval()
     sw.library.pack_projections(model)
     fast = sw.compile(model, dynamic_dims={"input_ids": {1: "seq"}}, sizes={"seq": [1, 4, 8]}, backend="aot_eager",
@@ -87,10 +92,9 @@ def test_fused_projections_and_a_transformers_llama_answer_as_eager():
         for seq in (1, 4, 8):
             ids = torch.randint(3, 128, (1, seq))
             assert_same(fast(input_ids=ids).logits, model(input_ids=ids).logits, f"seq={seq}")
-    fused = sorted(c.count("shapewise.gemv_norm.default") for c in _codes(fast).values())
-    # per layer (2): qkv with its norm, o with the residual, gate-up with its norm, down with the residual;
-    # the final norm (a slice between it and the head) stays
-    assert fused == [0, 8, 8], fused
+    counts = sorted(c.count("shapewise.gemv_norm.default") for c in _codes(fast).values())
+    assert counts == [0, fused, fused], counts  # (seq 8: past max_tokens; the final norm, a slice before the head,
+    # stays)
 
 
 @pytest.mark.parametrize("leak", [False, True])
