@@ -11,8 +11,8 @@ nothing is left between the two.
 In: the graph ``DecodeGemv`` rewrote. A ``shapewise::gemv`` or ``gemv_group`` whose input is the
 RMSNorm of a tensor ``h`` (``rms_norm_of``: ``h`` in float32, times ``rsqrt(mean(h²) + eps)``, back in
 ``h``'s dtype, times a ``[K]`` weight; each step read by nothing else) reads ``h`` and the norm's weight;
-one whose output only a residual add reads (``residual + y``, same shape and dtype) adds the residual
-itself. Out: ``shapewise::gemv_norm`` calls. Where the op's kernel does not run (the CPU, other dtypes,
+one whose output only a residual add reads (``residual + y``, same shape and dtype; through an inference
+dropout, Phi-3's) adds the residual itself. Out: ``shapewise::gemv_norm`` calls. Where the op's kernel does not run (the CPU, other dtypes,
 more rows), it computes the same as the graph it replaced, op by op (``reference``).
 
 Numerics: the kernel rounds ``x * g`` to x's dtype for the product, applies ``1 / rms`` to the float32
@@ -229,10 +229,25 @@ def rms_norm_of(x: Any) -> tuple[torch.fx.Node, torch.fx.Node, float, list[torch
     return None
 
 
-def _residual_add(y: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """(the add, the residual) where ``y``'s one reader is ``residual + y`` (or ``y + residual``) of
-    ``y``'s shape and dtype; else None."""
+def _identity_dropout(node: Any) -> bool:
+    """Whether ``node`` is ``F.dropout(t, p, training=False)`` (or p = 0), not in place: ``t`` itself (Phi-3's
+    residual dropouts at inference)."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is F.dropout):
+        return False
+    names = ("input", "p", "training", "inplace")
+    bound = {**dict(zip(names, node.args)), **node.kwargs}
+    p, training, inplace = bound.get("p", 0.5), bound.get("training", True), bound.get("inplace", False)
+    return inplace is False and (training is False or p == 0.0) and set(bound) <= set(names)
+
+
+def _residual_add(y: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]] | None:
+    """(the add, the residual, nodes between) where ``y``'s one reader is ``residual + y`` (or ``y + residual``)
+    of ``y``'s shape and dtype, through an inference dropout (``_identity_dropout``) or none; else None."""
     users = list(y.users)
+    between = []
+    if len(users) == 1 and _identity_dropout(users[0]) and users[0].args[0] is y:
+        between, y = [users[0]], users[0]
+        users = list(y.users)
     if len(users) != 1 or not _is(users[0], _ADD, "add"):
         return None
     add = users[0]
@@ -241,7 +256,7 @@ def _residual_add(y: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | Non
             yv, rv, av = node_value(y), node_value(res), node_value(add)
             if isinstance(yv, torch.Tensor) and isinstance(rv, torch.Tensor) and isinstance(av, torch.Tensor) \
                     and rv.shape == yv.shape == av.shape and rv.dtype == yv.dtype == av.dtype:
-                return add, res
+                return add, res, between
     return None
 
 
@@ -279,6 +294,8 @@ def fuse_norms(gm: torch.fx.GraphModule, wanted: Any = None) -> int:
         where.replace_all_uses_with(new)
         if add is not None:
             graph.erase_node(add[0])
+            for dead in add[2]:
+                graph.erase_node(dead)
         graph.erase_node(node)
         for dead in norm[3] if norm is not None else ():
             if not dead.users:
