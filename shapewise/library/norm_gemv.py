@@ -12,8 +12,9 @@ In: the graph ``DecodeGemv`` rewrote. A ``shapewise::gemv`` or ``gemv_group`` wh
 RMSNorm of a tensor ``h`` (``rms_norm_of``: ``h`` in float32, times ``rsqrt(mean(h²) + eps)``, back in
 ``h``'s dtype, times a ``[K]`` weight; each step read by nothing else) reads ``h`` and the norm's weight;
 one whose output only a residual add reads (``residual + y``, same shape and dtype; through an inference
-dropout, Phi-3's) adds the residual itself. Out: ``shapewise::gemv_norm`` calls. Where the op's kernel does not run (the CPU, other dtypes,
-more rows), it computes the same as the graph it replaced, op by op (``reference``).
+dropout, Phi-3's) adds the residual itself. Out: ``shapewise::gemv_norm`` calls. Where the op's kernel does
+not run (the CPU, other dtypes, more rows), it computes the same as the graph it replaced, op by op
+(``reference``).
 
 Numerics: the kernel rounds ``x * g`` to x's dtype for the product, applies ``1 / rms`` to the float32
 product, and adds the residual to it before the one rounding (eager rounds the normed ``x`` twice and the
