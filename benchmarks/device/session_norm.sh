@@ -13,9 +13,5 @@ T=$(left); echo "left for bench_llama: $T s"
 [ "$T" -gt 50 ] && mkdir -p "$OUT/llama" && env ${LLAMA_ENV:-} timeout $(( T - ${DECODE_RESERVE:-0} - 5 )) python3 benchmarks/bench_llama.py \
   --out "$OUT/llama" --repeats 3 --tokens "${TOKENS:-1,16,64}" --profile \
   --contenders "shapewise full cudagraph+DecodeGemv64,shapewise full cudagraph+DecodeGemv64+norm" 2>&1 | tail -8
-T=$(left); echo "left for bench_decode: $T s"
-[ "$T" -gt 60 ] && timeout $(( T - 5 )) python3 benchmarks/bench_decode.py --models 1b \
-  --contenders "${CONTENDERS:-sw_full,sw_full_norm}" --rounds 3 --generate-repeats 1 \
-  --check-layers "${CHECK_LAYERS:-2}" --out "$OUT/decode" 2>&1 | grep -v "Warn\|warn\|skipping" \
-  | tee "$OUT/bench_decode.log" | tail -12
+decode_1b "${CONTENDERS:-sw_full,sw_full_norm}"
 echo done

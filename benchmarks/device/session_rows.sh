@@ -16,9 +16,5 @@ timeout "${GEMV_LIMIT:-150}" python3 benchmarks/bench_gemv.py --shapes 1b --rows
 T=$(left); echo "left for the tests: $T s"
 timeout "${TEST_LIMIT:-150}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/library -n 8 2>&1 \
   | tail -40 | tee "$OUT/gpu_library.txt" | grep -E "passed|failed|FAILED|ERROR|Error" | head -20
-T=$(left); echo "left for bench_decode: $T s"
-[ "$T" -gt 60 ] && timeout $(( T - 5 )) python3 benchmarks/bench_decode.py --models 1b \
-  --contenders "${CONTENDERS:-sw_full_nogemv,sw_full,sw_full_pdl}" --rounds 3 --generate-repeats 1 \
-  --check-layers "${CHECK_LAYERS:-2}" --out "$OUT/decode" 2>&1 | grep -v "Warn\|warn\|skipping" \
-  | tee "$OUT/bench_decode.log" | tail -12
+decode_1b "${CONTENDERS:-sw_full_nogemv,sw_full,sw_full_pdl}"
 echo done

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from shapewise._compat import node_value
 
 # importing these registers shapewise::gemv, shapewise::gemv_group and shapewise::linear_group
-from shapewise.library.fuse_projections import _joined
+from shapewise.library.fuse_projections import _joined, _mutates
 from shapewise.library.kernels.gemv import _fast_path, gemv_config
 
 __all__ = ["fuse_norms", "gemv_norm", "reference", "rms_norm_of"]
@@ -163,28 +163,9 @@ def _pair(node: torch.fx.Node) -> list[tuple[Any, Any]]:
     return [tuple(node.args), tuple(node.args[::-1])] if len(node.args) == 2 and not node.kwargs else []
 
 
-def _mutates(node: torch.fx.Node) -> bool:
-    """Whether ``node`` may write a tensor in place (``add_``, ``index_copy_``, an op whose schema is mutable,
-    ``operator.iadd``...): reads moved past it would see the new values."""
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    if node.op != "call_function":
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None:
-        return schema.is_mutable
-    if node.target in _IN_PLACE_OPERATORS:
-        return True
-    name = getattr(node.target, "__name__", "")
-    return name.endswith("_") and not name.endswith("__")
-
-
-_IN_PLACE_OPERATORS = {getattr(operator, f"i{n}") for n in (
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")}
-
-
 def _writes_between(first: torch.fx.Node, last: torch.fx.Node) -> bool:
-    """Whether a node after ``first`` and before ``last`` (graph order) may write in place."""
+    """Whether a node after ``first`` and before ``last`` (graph order) may write in place (``_mutates``,
+    FuseProjections' test, whose group refuses for the same reason)."""
     node = first.next
     while node is not last and node.op != "root":
         if _mutates(node):
@@ -286,7 +267,7 @@ def fuse_norms(gm: torch.fx.GraphModule, wanted: Any = None) -> int:
             add = None
         if norm is None and add is None:
             continue
-        h, g, eps = (norm[0], norm[1], norm[2]) if norm is not None else (x, None, 0.0)
+        h, g, eps = norm[:3] if norm is not None else (x, None, 0.0)
         where = add[0] if add is not None else node
         with graph.inserting_before(where):
             new = graph.call_function(torch.ops.shapewise.gemv_norm.default,
