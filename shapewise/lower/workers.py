@@ -381,13 +381,10 @@ def _processes(workers: int, cache_root: str) -> _Processes:
     with _SHARED_LOCK:
         if _SHARED:
             old = _SHARED[0]
-            _, was_fingerprint, was_root, _, was_numerics, _ = old.setup
-            # (modules imported since the workers started need no new ones: each task names its modules)
-            if (was_fingerprint, was_root, was_numerics) == (fingerprint, cache_root, numerics) \
-                    and len(old.procs) >= workers and old.alive():
+            why = _why_new(old, workers, fingerprint, cache_root, numerics)
+            if why is None:
                 return old
-            log.info("shapewise: compile workers started again (%s)", _why_new(old, workers, fingerprint, cache_root,
-                                                                               numerics))
+            log.info("shapewise: compile workers started again (%s)", why)
             _SHARED.clear()
             old.shutdown()
         else:
@@ -398,7 +395,10 @@ def _processes(workers: int, cache_root: str) -> _Processes:
         return made
 
 
-def _why_new(old: _Processes, workers: int, fingerprint: str, cache_root: str, numerics: dict[str, Any]) -> str:
+def _why_new(old: _Processes, workers: int, fingerprint: str, cache_root: str,
+             numerics: dict[str, Any]) -> str | None:
+    """Why ``old`` cannot serve (None: it can). Library modules imported since it started do not count:
+    each task names the modules its worker imports first."""
     _, was_fingerprint, was_root, _, was_numerics, _ = old.setup
     if len(old.procs) < workers:
         return f"{workers} asked for, {len(old.procs)} running"
@@ -406,7 +406,9 @@ def _why_new(old: _Processes, workers: int, fingerprint: str, cache_root: str, n
         return "a worker process ended"
     if was_root != cache_root:
         return f"another cache folder: {cache_root}"
-    return "Inductor's config changed" if was_fingerprint != fingerprint else f"numerics changed: {numerics}"
+    if was_fingerprint != fingerprint:
+        return "Inductor's config changed"
+    return f"numerics changed: {numerics}" if was_numerics != numerics else None
 
 
 def library_modules() -> list[str]:
