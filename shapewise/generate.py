@@ -140,7 +140,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
                      grouped_decode: bool | None = None, combo_kernels: bool | None = None,
                      batch_updates: bool | None = None, decode_gemv: bool | None = None,
                      defer_stop: bool | None = None, pdl: bool = False, graph_masks: bool = False,
-                     keep_cache: bool | None = None,
+                     keep_cache: bool | None = None, gemv_norm: bool | None = None,
                      **options: Any) -> ShapewiseModule:
     """Compile ``model.forward`` for ``model.generate()`` and install it on ``model`` (as
     transformers' own recipe does with ``torch.compile``); returns the compiled forward.
@@ -196,6 +196,11 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     (benchmarks/results/h100_20261206_default; that step itself is not measured yet).
     A ``DecodeGemv`` given in ``graph_passes`` is used as given instead (with ``pdl``, as
     ``pdl=True``); the one added here keeps ``pdl=False`` under ``pdl`` too.
+    ``gemv_norm``: the ``DecodeGemv`` added here with ``norm=True``: at one row (a decode step of one
+    sequence), where the tuner chose the kernel, the RMSNorm before a product and the residual add after it
+    in its kernel (``sw.library.norm_gemv``; bf16). By default (None) on where ``decode_gemv`` is: on an
+    H100 at 1B shapes a step's GPU time 1130.8 against 1148.9 µs and 118 against 150 kernels a step
+    (benchmarks/results/norm_h100_20261207); at 16 and 64 rows it was slower, so ``norm_rows`` stays 1.
     With CUDA graphs and a static cache, ``model.generate`` is wrapped too: a call that keeps no
     output tensor of a step past the next step (greedy or sampled decoding without returned hidden
     states or attentions; not beams, assisted, DoLa or contrastive decoding, not classifier-free
@@ -255,6 +260,9 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     if keep_cache is not None and not isinstance(keep_cache, bool):
         raise ConfigError(f"keep_cache must be True, False or None (the default: on with a static cache in CUDA "
                           f"graphs), got {keep_cache!r}")
+    if gemv_norm is not None and not isinstance(gemv_norm, bool):
+        raise ConfigError(f"compile_generate(gemv_norm={gemv_norm!r}): say True, False or None (on where "
+                          f"decode_gemv is)")
     static_cache = _static_cache_for(model, static_cache)
     params = inspect.signature(model.forward).parameters
     if "input_ids" not in params:
@@ -318,6 +326,10 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         decode_gemv = on_gpu and full and _triton_gemv_available()
     if defer_stop is None:
         defer_stop = on_gpu
+    if gemv_norm and not decode_gemv:
+        raise ConfigError("compile_generate(gemv_norm=True) puts the RMSNorm into DecodeGemv's kernel, which this "
+                          "call does not run (decode_gemv is off: it needs a model on a GPU, cudagraphs='full' and "
+                          "Triton); leave gemv_norm unset, or pass decode_gemv=True")
     passes = list(options.get("graph_passes", ()))
     if batch_updates:
         from shapewise.library.batch_updates import BatchInputUpdates
@@ -339,7 +351,7 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         from shapewise.library.decode_gemv import DecodeGemv
 
         if not any(isinstance(p, DecodeGemv) for p in passes):
-            passes.append(DecodeGemv())
+            passes.append(DecodeGemv(norm=True if gemv_norm is None else gemv_norm))
     if fuse_projections:
         from shapewise.library.fuse_projections import FuseProjections, pack_projections  # registers its op
 

@@ -173,19 +173,28 @@ class DecodeGemv(GraphPass):
     """Linear layers with at most ``max_tokens`` rows at a static size -> ``shapewise::gemv``."""
 
     name: ClassVar[str] = "decode_gemv"
-    version: ClassVar[int] = 6  # 2: linear_group -> gemv_group; 3: pdl; 4: glu; 5: glu where its timing pays; 6: norm
+    version: ClassVar[int] = 7  # 2: linear_group -> gemv_group; 3: pdl; 4: glu; 5: glu where its timing pays; 6: norm;
+    # 7: norm_rows
     max_tokens: int = 16
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[str, ...] = ("bfloat16", "float16")
     pdl: bool = False  # the kernels launched with programmatic dependent launch (kernels/pdl.py)
     glu: bool = False  # a linear of silu(gate) * up -> shapewise::gemv_glu (the activation in the kernel)
     norm: bool = False  # the RMSNorm before and the residual add after, in the kernel (norm_gemv.py)
+    # ... only for products of at most this many rows. An H100 (benchmarks/results/norm_h100_20261207): at 1 row
+    # the 1B's decode step 1130.8 against 1148.9 µs of GPU time, 118 against 150 kernels; at 16 and 64 rows
+    # bench_llama's 7B-sized stack 689 against 659 and 889 against 705 µs (slower).
+    norm_rows: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or not (
                 1 <= self.max_tokens <= MAX_ROWS):
             raise ConfigError(f"DecodeGemv(max_tokens={self.max_tokens!r}): the kernel takes 1 to {MAX_ROWS} rows; "
                               f"give max_tokens between 1 and {MAX_ROWS}")
+        if isinstance(self.norm_rows, bool) or not isinstance(self.norm_rows, int) or not (
+                1 <= self.norm_rows <= MAX_ROWS):
+            raise ConfigError(f"DecodeGemv(norm_rows={self.norm_rows!r}): the most rows a product with the norm in "
+                              f"its kernel may have; give an int between 1 and {MAX_ROWS}")
         object.__setattr__(self, "devices", _names(self.devices, "devices", _device_name))
         object.__setattr__(self, "dtypes", _names(self.dtypes, "dtypes", _dtype_name))
         for flag, what in (("pdl", "programmatic dependent launch where the GPU has it"),
@@ -244,7 +253,8 @@ class DecodeGemv(GraphPass):
         if self.norm and shapes:
             from shapewise.library.norm_gemv import fuse_norms  # registers shapewise::gemv_norm
 
-            fuse_norms(gm, lambda node: node in placed and _kernel_chosen(placed[node]))
+            fuse_norms(gm, lambda node: node in placed and placed[node][0] <= self.norm_rows
+                       and _kernel_chosen(placed[node]))
         return PassResult(gm, bool(shapes))
 
     def _fits(self, node: torch.fx.Node, x: Any, wv: Any, bias: bool, sizes: VariantSizes) -> tuple | None:

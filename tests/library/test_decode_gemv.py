@@ -452,6 +452,9 @@ def test_compile_generate_adds_the_pass_only_where_asked_or_on_by_default():
     assert not any(isinstance(p, sw.library.DecodeGemv) for p in plain._options.get("graph_passes", ()))
     asked = sw.compile_generate(cls(config()).eval(), decode_gemv=True, **kw)
     assert [p for p in asked._options["graph_passes"] if isinstance(p, sw.library.DecodeGemv)] == \
+        [sw.library.DecodeGemv(norm=True)]  # gemv_norm: on by default where the pass is
+    unnormed = sw.compile_generate(cls(config()).eval(), decode_gemv=True, gemv_norm=False, **kw)
+    assert [p for p in unnormed._options["graph_passes"] if isinstance(p, sw.library.DecodeGemv)] == \
         [sw.library.DecodeGemv()]
     mine = sw.library.DecodeGemv(max_tokens=2, **CPU)
     given = sw.compile_generate(cls(config()).eval(), decode_gemv=True, graph_passes=[mine], **kw)
@@ -459,7 +462,7 @@ def test_compile_generate_adds_the_pass_only_where_asked_or_on_by_default():
     # pdl=True makes the user's pass a PDL one; compile_generate's own stays tuned against cuBLAS
     ours = sw.compile_generate(cls(config()).eval(), decode_gemv=True, pdl=True, **kw)
     assert [p for p in ours._options["graph_passes"] if isinstance(p, sw.library.DecodeGemv)] == \
-        [sw.library.DecodeGemv()]
+        [sw.library.DecodeGemv(norm=True)]
     given = sw.compile_generate(cls(config()).eval(), decode_gemv=True, pdl=True, graph_passes=[mine], **kw)
     assert [p for p in given._options["graph_passes"] if isinstance(p, sw.library.DecodeGemv)] == \
         [sw.library.DecodeGemv(max_tokens=2, pdl=True, **CPU)]
@@ -474,9 +477,11 @@ def test_compile_generate_runs_the_gemv_by_default_under_full_graphs(decode_gemv
 
     fast, model = bf16_decode_against_fp32("llama", decode_gemv=decode_gemv)
     code = "".join((v.gm or p.gm).code for p in fast.runnables[-1].program.compute_pieces for v in p.variants)
-    ops = code.count("torch.ops.shapewise.gemv")  # gemv and gemv_group
+    ops = code.count("torch.ops.shapewise.gemv")  # gemv, gemv_group and gemv_norm
     # per layer: the packed q/k/v group, o, the packed gate/up group, down; and the head
     assert ops == (4 * model.config.num_hidden_layers + 1 if decode_gemv is None else 0), code.count("gemv")
+    # by default (gemv_norm) the norms and residual adds of the products whose kernel the tuner chose go in them
+    assert (code.count("torch.ops.shapewise.gemv_norm") > 0) == (decode_gemv is None), code.count("gemv_norm")
 
 
 def test_dtensor_weights_are_left_to_the_linear():

@@ -49,7 +49,7 @@ class Block(nn.Module):
 
 def _compiled(model, sizes=(1, 3, 8), **gemv):
     return sw.compile(model, sizes=list(sizes), backend="aot_eager", cache=False,
-                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, norm=True, **{**CPU, **gemv})])
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=4, norm=True, **{"norm_rows": 4, **CPU, **gemv})])
 
 
 def _codes(fast) -> dict[str, str]:
@@ -72,6 +72,21 @@ def test_the_norm_and_residual_add_go_into_the_gemvs_at_decode_sizes_and_answer_
     assert counts == [(0, 2, 0), (6, 0, 0), (6, 0, 0)], counts  # n = 8, then n = 1 and 3
 
 
+def test_by_default_the_norm_goes_into_one_row_products_only():
+    torch.manual_seed(0)
+    model = Block().eval()
+    fast = _compiled(model, sizes=(1, 3), norm_rows=1)
+    with torch.no_grad():
+        for n in (1, 3):
+            h = torch.randn(n, 32)
+            assert_same(fast(h), model(h), f"n={n}")
+    counts = {k.split("=")[1]: (c.count("shapewise.gemv_norm.default"), c.count("shapewise.gemv.default"))
+              for k, c in _codes(fast).items()}
+    # (on an H100, 16 and 64 rows with the norm in the kernel were slower than without: DecodeGemv's comment)
+    assert counts == {"1}": (6, 0), "3}": (0, 6)}, counts
+    assert sw.library.DecodeGemv().norm_rows == 1
+
+
 # per variant (2 layers): Llama-style layers take 4 each (qkv and gate-up their norm, o and down their residual
 # add); Qwen3's per-head q/k norms come after the products and stay; Phi-3's residual adds come through an
 # inference dropout (p = 0). (Gemma's
@@ -88,7 +103,7 @@ def test_fused_projections_and_transformers_decoders_answer_as_eager(arch, fused
     sw.library.pack_projections(model)
     fast = sw.compile(model, dynamic_dims={"input_ids": {1: "seq"}}, sizes={"seq": [1, 4, 8]}, backend="aot_eager",
                       cache=False, graph_passes=[sw.library.FuseProjections(),
-                                                 sw.library.DecodeGemv(max_tokens=4, norm=True, **CPU)])
+                                                 sw.library.DecodeGemv(max_tokens=4, norm=True, norm_rows=4, **CPU)])
     with torch.no_grad():
         for seq in (1, 4, 8):
             ids = torch.randint(3, 128, (1, seq))
@@ -219,7 +234,11 @@ def test_the_op_is_what_it_replaced_off_the_kernel_and_passes_torchs_checks():
 def test_the_option_is_checked_and_in_the_key():
     with pytest.raises(sw.ConfigError, match=r"DecodeGemv\(norm='yes'\)"):
         sw.library.DecodeGemv(norm="yes")
+    for bad in (0, 65, True, 1.0):
+        with pytest.raises(sw.ConfigError, match=r"DecodeGemv\(norm_rows=.*give an int between 1 and 64"):
+            sw.library.DecodeGemv(norm_rows=bad)
     assert "norm=True" in sw.library.DecodeGemv(norm=True).spec() and "norm" not in sw.library.DecodeGemv().spec()
+    assert "norm_rows=8" in sw.library.DecodeGemv(norm=True, norm_rows=8).spec()
 
 
 @pytest.mark.gpu
@@ -250,7 +269,7 @@ def test_on_the_gpu_a_compiled_block_with_norm_in_full_graphs_matches_float64():
     torch.manual_seed(0)
     model = Block(dim=512).cuda().to(torch.bfloat16).eval()
     fast = sw.compile(model, sizes=[1, 4, 16], cudagraphs="full",
-                      graph_passes=[sw.library.DecodeGemv(norm=True, max_tokens=16)])
+                      graph_passes=[sw.library.DecodeGemv(norm=True, max_tokens=16, norm_rows=16)])
     with torch.no_grad():
         for n in (1, 4, 16, 1):
             h = torch.randn(n, 512, device="cuda", dtype=torch.bfloat16)
@@ -258,3 +277,15 @@ def test_on_the_gpu_a_compiled_block_with_norm_in_full_graphs_matches_float64():
             model.to(torch.bfloat16)
             assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-2, n
     assert any("gemv_norm" in c for c in _codes(fast).values())
+
+
+def test_compile_generate_checks_gemv_norm():
+    pytest.importorskip("transformers")
+    from tests.models.configs import DECODERS
+
+    config, cls = DECODERS["llama"]
+    with pytest.raises(sw.ConfigError, match=r"compile_generate\(gemv_norm='yes'\): say True, False or None"):
+        sw.compile_generate(cls(config()), prompt_sizes=[4], gemv_norm="yes")
+    # on the CPU decode_gemv is off, so there is no kernel to put the norm in
+    with pytest.raises(sw.ConfigError, match=r"gemv_norm=True\) puts the RMSNorm .*\(decode_gemv is off"):
+        sw.compile_generate(cls(config()), prompt_sizes=[4], gemv_norm=True)
