@@ -51,7 +51,10 @@ Contenders (each on its own copy of the weights):
                the activation's own kernel (``kernels.gemv.glu_pays``, since 2026-12-07's evening);
   sw_full_norm    ``sw_full`` with ``graph_passes=[DecodeGemv(norm=True)]``: each GEMV's kernel takes the
                RMSNorm before it into its loads and the residual add after it into its store (2026-12-07,
-               late): a layer's two norm kernels gone;
+               late): a layer's two norm kernels gone; since 2026-12-07 (night) ``sw_full`` is this too
+               (``gemv_norm``, one-row products only: ``DecodeGemv(norm_rows=1)``);
+  sw_full_nonorm  ``sw_full`` with ``gemv_norm=False``: the norms and residual adds kernels of their own
+               (``sw_full`` until 2026-12-07, late);
   sw_full_masks   ``sw_full`` with ``graph_masks=True``: ``generate()`` hands the forward no mask (no
                padding here), which builds it inside the graph, not transformers eagerly at every step
                outside it (the step is recorded as ``generate()`` calls it: no mask, built in the graph);
@@ -122,7 +125,8 @@ from benchmarks.bench_generate import LLAMA_1B, TINY, llama, sync  # noqa: E402
 CONTENDERS = ("eager", "hf_recipe", "sw_full", "sw_full_plain", "sw_full_nofuse", "sw_full_split",
               "sw_full_and_piecewise", "sw_full_nogemv", "sw_full_combo", "sw_full_gqa", "sw_full_dtensor",
               "sw_full_nobatch", "sw_full_sync", "hf_recipe_deferred", "sw_full_checks_all", "sw_full_pdl",
-              "sw_full_gemv_pdl", "sw_full_masks", "sw_full_glu", "sw_full_norm")
+              "sw_full_gemv_pdl", "sw_full_masks", "sw_full_glu", "sw_full_norm",
+              "sw_full_nonorm")
 SHAPES = {
     "1b": LLAMA_1B,
     "8b": {**LLAMA_1B, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -192,6 +196,7 @@ def prepare(name: str, model, prompt: int, new: int, device: str) -> Any:
              "sw_full_gemv_pdl": {"pdl": True, "graph_passes": [sw.library.DecodeGemv(pdl=True)]},
              "sw_full_glu": {"graph_passes": [sw.library.DecodeGemv(glu=True)]},
              "sw_full_norm": {"graph_passes": [sw.library.DecodeGemv(norm=True)]},
+             "sw_full_nonorm": {"gemv_norm": False},
              "sw_full_combo": {"grouped_decode": False}, "sw_full_gqa": {"combo_kernels": False}}[name]
     return sw.compile_generate(model, prompt_sizes=[prompt], max_length=prompt + new, static_cache=True,
                                backend="inductor", cudagraphs=graphs if device == "cuda" else False,
