@@ -331,9 +331,12 @@ def main(argv: list[str] | None = None) -> int:
                       graph_passes=[sw.library.DecodeGemv(max_tokens=64, pdl=True)]), tokens)
         run("shapewise full cudagraph+DecodeGemv64",
             shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=64)]), tokens)
-        # the RMSNorm before and the residual add after each GEMV in its kernel (DecodeGemv(norm=True))
+        # the RMSNorm before and the residual add after each GEMV in its kernel (DecodeGemv(norm=True)), at every
+        # row count up to 64 (norm_rows=64; the default, 1, fuses at one token only: at 16 and 64 this was
+        # slower on an H100, benchmarks/results/norm_h100_20261207, run before norm_rows existed)
         run("shapewise full cudagraph+DecodeGemv64+norm",
-            shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=64, norm=True)]), tokens)
+            shapewise(cudagraphs="full",
+                      graph_passes=[sw.library.DecodeGemv(max_tokens=64, norm=True, norm_rows=64)]), tokens)
         run("shapewise full cudagraph+DecodeGemv+GLU",
             shapewise(cudagraphs="full", graph_passes=[sw.library.DecodeGemv(max_tokens=16, glu=True)]), tokens)
         run("shapewise full cudagraph+DecodeGemv64+GLU",
