@@ -196,7 +196,8 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
     (benchmarks/results/h100_20261206_default; that step itself is not measured yet).
     A ``DecodeGemv`` given in ``graph_passes`` is used as given instead (with ``pdl``, as
     ``pdl=True``); the one added here keeps ``pdl=False`` under ``pdl`` too.
-    ``gemv_norm``: the ``DecodeGemv`` added here with ``norm=True``: at one row (a decode step of one
+    ``gemv_norm``: the ``DecodeGemv`` added here with ``norm=True`` (``True`` / ``False``: a ``DecodeGemv`` given in
+    ``graph_passes`` too): at one row (a decode step of one
     sequence), where the tuner chose the kernel, the RMSNorm before a product and the residual add after it
     in its kernel (``sw.library.norm_gemv``; bf16). By default (None) on where ``decode_gemv`` is: on an
     H100 at 1B shapes a step's GPU time 1130.8 against 1148.9 µs and 118 against 150 kernels a step
@@ -322,15 +323,22 @@ def compile_generate(model: torch.nn.Module, *, prompt_sizes: Sequence[int] = ()
         combo_kernels = on_gpu and full
     if batch_updates is None:
         batch_updates = on_gpu and full
+    gemv_asked = decode_gemv
     if decode_gemv is None:
         decode_gemv = on_gpu and full and _triton_gemv_available()
     if defer_stop is None:
         defer_stop = on_gpu
-    if gemv_norm and not decode_gemv:
-        raise ConfigError("compile_generate(gemv_norm=True) puts the RMSNorm into DecodeGemv's kernel, which this "
-                          "call does not run (decode_gemv is off: it needs a model on a GPU, cudagraphs='full' and "
-                          "Triton); leave gemv_norm unset, or pass decode_gemv=True")
     passes = list(options.get("graph_passes", ()))
+    if gemv_norm is not None:
+        from shapewise.library.decode_gemv import DecodeGemv
+
+        given = any(isinstance(p, DecodeGemv) for p in passes)  # the user's own: gemv_norm says for them too
+        passes = [dataclasses.replace(p, norm=gemv_norm) if isinstance(p, DecodeGemv) else p for p in passes]
+        if gemv_norm and not decode_gemv and not given:
+            why = "decode_gemv=False" if gemv_asked is False else \
+                "decode_gemv is off by default here: it needs a model on a GPU, cudagraphs='full' and Triton"
+            raise ConfigError(f"compile_generate(gemv_norm=True) puts the RMSNorm into DecodeGemv's kernel, which "
+                              f"this call does not run ({why}); leave gemv_norm unset, or pass decode_gemv=True")
     if batch_updates:
         from shapewise.library.batch_updates import BatchInputUpdates
 

@@ -279,13 +279,23 @@ def test_on_the_gpu_a_compiled_block_with_norm_in_full_graphs_matches_float64():
     assert any("gemv_norm" in c for c in _codes(fast).values())
 
 
-def test_compile_generate_checks_gemv_norm():
+def test_compile_generate_checks_gemv_norm_and_applies_it_to_a_decode_gemv_of_the_users():
     pytest.importorskip("transformers")
     from tests.models.configs import DECODERS
 
     config, cls = DECODERS["llama"]
     with pytest.raises(sw.ConfigError, match=r"compile_generate\(gemv_norm='yes'\): say True, False or None"):
         sw.compile_generate(cls(config()), prompt_sizes=[4], gemv_norm="yes")
-    # on the CPU decode_gemv is off, so there is no kernel to put the norm in
-    with pytest.raises(sw.ConfigError, match=r"gemv_norm=True\) puts the RMSNorm .*\(decode_gemv is off"):
+    # on the CPU decode_gemv is off, so there is no kernel to put the norm in; the error says why, by case
+    with pytest.raises(sw.ConfigError, match=r"gemv_norm=True\) puts the RMSNorm .*\(decode_gemv is off by default "
+                                             r"here: it needs a model on a GPU"):
         sw.compile_generate(cls(config()), prompt_sizes=[4], gemv_norm=True)
+    with pytest.raises(sw.ConfigError, match=r"gemv_norm=True\) puts the RMSNorm .*\(decode_gemv=False\)"):
+        sw.compile_generate(cls(config()), prompt_sizes=[4], gemv_norm=True, decode_gemv=False)
+    # a DecodeGemv of the user's in graph_passes: gemv_norm, when given, says for it too (as pdl does)
+    kw = dict(prompt_sizes=[4], max_length=16, static_cache=True, backend="aot_eager", splitting_ops=())
+    for asked, mine, want in ((True, False, True), (False, True, False), (None, True, True)):
+        fast = sw.compile_generate(cls(config()).eval(), gemv_norm=asked,
+                                   graph_passes=[sw.library.DecodeGemv(norm=mine, **CPU)], **kw)
+        (got,) = [p for p in fast._options["graph_passes"] if isinstance(p, sw.library.DecodeGemv)]
+        assert got == sw.library.DecodeGemv(norm=want, **CPU), (asked, mine)
