@@ -10,6 +10,8 @@ in the session, and shapewise's pipeline after it. This measures both on the CPU
 - ``shapewise_eager``: ``sw.compile_generate(..., backend="eager")`` (nothing compiled: the FX pieces run
   as they are) and its first ``generate()`` of 3 tokens: both of its traces (the prompt, symbolic in seq,
   and the decode step), the pipeline, and the runs;
+- ``shapewise_eager_late``: the same with the unmarked decode trace refused by the backend, after Dynamo
+  traced it whole, as before 2026-12-07 (night), not before it starts (``_compat.no_new_trace``);
 - ``torch_eager``: transformers' ``generate()`` with ``torch.compile(backend="eager")`` on the forward,
   the same 3 tokens: Dynamo's traces as torch.compile makes them, for reference.
 
@@ -30,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("dynamo_static", "dynamo_symbolic", "shapewise_eager", "torch_eager")
+KINDS = ("dynamo_static", "dynamo_symbolic", "shapewise_eager", "shapewise_eager_late", "torch_eager")
 
 
 def child(kind: str, layers: int, prompt: int) -> float:
@@ -61,8 +63,12 @@ def child(kind: str, layers: int, prompt: int) -> float:
             t = time.perf_counter()
             fn(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt), use_cache=True)
             return handed[0] - t
-        if kind == "shapewise_eager":  # (compile_generate itself traces nothing: timed with the first call)
+        if kind.startswith("shapewise_eager"):  # (compile_generate itself traces nothing: timed with the first call)
             import shapewise as sw
+            from shapewise._compat import retrace
+
+            if kind == "shapewise_eager_late":
+                retrace._HANDLER[:] = [None]  # as a torch without compile-start callbacks
 
             t = time.perf_counter()
             sw.compile_generate(model, prompt_sizes=[prompt // 2, prompt, 2 * prompt], max_length=4 * prompt,

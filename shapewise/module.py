@@ -37,7 +37,7 @@ class NoDynamicSizes(BindingError):
 
 
 class _UnmarkedRetrace(Exception):  # raised by the backend for a Dynamo trace that did not come through _first_call
-    pass
+    """(Where torch has compile-start callbacks, ``_compat.no_new_trace`` refuses it before it runs.)"""
 
 
 class ShapewiseModule:
@@ -173,9 +173,8 @@ class ShapewiseModule:
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Runnable:
         if not getattr(self._local, "tracing", False):
-            # Dynamo re-traces on a guard failure (grad mode: train then eval; requires_grad;
-            # dtype) with this call's tensors, which carry no dynamic marks: that graph would be
-            # static. Refuse it; __call__ then marks them and traces again.
+            # Dynamo re-traces on a guard failure (grad mode, requires_grad, dtype, a size) with this call's
+            # tensors, unmarked: the graph would be static. Refused; __call__ marks them and traces again.
             raise _UnmarkedRetrace
         names: dict[sympy.Symbol, str] = {}
         specialised: dict[str, int] = {}
@@ -291,17 +290,19 @@ class ShapewiseModule:
                 out = self._warm.serve(args, kwargs, MISS)
                 return out if out is not MISS else self._first_call(args, kwargs, retrace=bool(self.runnables))
             if self.runnables:
-                try:
-                    if (self._watch is not None and self._watch.active) or parallel.PendingVariant.unresolved:
-                        with _compat.calls_during_fx_trace():  # a lazy / background / pending compile may trace
-                            return self._compiled(*args, **kwargs)
-                    return self._compiled(*args, **kwargs)
-                except Exception as e:
-                    # A new trace is needed (a size 0/1 the marks did not cover), or other instances of this class
-                    # used up Dynamo's recompile limit of their shared forward: trace again, on a budget of its own.
-                    if not (isinstance(_compat.backend_error_cause(e), _UnmarkedRetrace)
-                            or _compat.is_recompile_limit(e)):
-                        raise
+                # A trace Dynamo starts here (the call fails every trace's guards) is unmarked: refused before it
+                # runs (no_new_trace), else by the backend; or other instances of this class used up Dynamo's
+                # recompile limit of their shared forward. Traced again, marked, on a budget of its own.
+                with _compat.no_new_trace() as refusal:
+                    try:
+                        if (self._watch is not None and self._watch.active) or parallel.PendingVariant.unresolved:
+                            with _compat.calls_during_fx_trace():  # a lazy / background / pending compile may trace
+                                return self._compiled(*args, **kwargs)
+                        return self._compiled(*args, **kwargs)
+                    except Exception as e:
+                        if not (refusal.refused or isinstance(_compat.backend_error_cause(e), _UnmarkedRetrace)
+                                or _compat.is_recompile_limit(e)):
+                            raise
                 return self._first_call(args, kwargs, retrace=True)
             return self._first_call(args, kwargs)
         except Exception as e:
@@ -316,10 +317,9 @@ class ShapewiseModule:
 
     def _traces_note(self) -> str:
         """Which sizes each trace serves (a call goes to the first trace whose guards it passes)."""
-        parts = []
-        for i, r in enumerate(self.runnables):
-            keys = ", ".join(row["key"] for row in r.table.rows()) or "none (its guards refuse every size asked for)"
-            parts.append(f"trace {self._trace_label(i)}: {keys}")
+        parts = [f"trace {self._trace_label(i)}: " + (", ".join(row["key"] for row in r.table.rows())
+                                                    or "none (its guards refuse every size asked for)")
+                 for i, r in enumerate(self.runnables)]
         return ("shapewise: this model has several traces (a call that fails every trace's guards makes a new one, "
                 "for the sizes its own guards allow): " + "; ".join(parts))
 

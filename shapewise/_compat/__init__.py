@@ -1,7 +1,7 @@
 """The torch adapter: every use of torch internals lives in this package, so a torch upgrade
 touches only it. ``shapes`` (fake tensors, ShapeEnvs, symbols, guards, Dynamo's scalar inputs made
 constants), ``dynamo`` (marks, sources, trace errors, locks), ``inductor`` (compiles, generated code,
-artifacts), ``ops``
+artifacts), ``retrace`` (Dynamo traces refused before they start), ``ops``
 (torch's operator objects), ``cuda`` (the caching allocator's private pools), ``distributed``
 (DTensor's mesh, placements and spec as plain values), ``hf`` (transformers' generation loop, imported
 only when used).
@@ -26,6 +26,8 @@ from shapewise._compat.ops import *  # noqa: F403
 from shapewise._compat.ops import __all__ as _ops_all
 from shapewise._compat.precompile import *  # noqa: F403
 from shapewise._compat.precompile import __all__ as _precompile_all
+from shapewise._compat.retrace import *  # noqa: F403
+from shapewise._compat.retrace import __all__ as _retrace_all
 from shapewise._compat.shapes import *  # noqa: F403
 from shapewise._compat.shapes import TORCH_VERSION
 from shapewise._compat.shapes import __all__ as _shapes_all
@@ -46,6 +48,7 @@ __all__ = [
     *_dynamo_all,
     *_hf_all,
     *_precompile_all,
+    *_retrace_all,
     *_inductor_all,
     *_ops_all,
 ]

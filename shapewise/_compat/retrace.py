@@ -1,0 +1,81 @@
+"""Dynamo traces refused before they start: ``no_new_trace()``.
+
+A call of a compiled forward that fails every trace's guards makes Dynamo trace the model again, with
+this call's tensors, which carry none of shapewise's dynamic marks; ``ShapewiseModule`` refuses that
+trace (its backend raises) and traces again itself, marked. Refused in the backend, the whole Dynamo
+trace before it was wasted: on this project's CPU a 16-layer Llama's decode step, the second trace of
+every ``compile_generate``, took 2.3 s of Dynamo for nothing (benchmarks/results/trace_cost_cpu).
+Dynamo's compile-start callbacks (``torch._dynamo.callback``) run before it traces: inside
+``no_new_trace()`` one that starts on this thread is refused there, at no cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["TraceRefused", "no_new_trace"]
+
+
+class TraceRefused(Exception):
+    """Raised (and wrapped by Dynamo) where ``no_new_trace()`` refused a trace."""
+
+
+class _Refusal:
+    """``refused``: whether a Dynamo trace tried to start inside the block (and was refused)."""
+
+    def __init__(self) -> None:
+        self.refused = False
+
+
+_LOCAL = threading.local()
+_HANDLER: list = []  # [Dynamo's callback handler], or [None] where this torch has none
+_INSTALL_LOCK = threading.Lock()
+
+
+def _on_start(args: object) -> None:
+    refusal = getattr(_LOCAL, "refusal", None)
+    if refusal is None:
+        return
+    from torch._dynamo.callback import CallbackTrigger
+
+    if getattr(args, "callback_trigger", CallbackTrigger.DYNAMO) is CallbackTrigger.DYNAMO:
+        refusal.refused = True
+        raise TraceRefused("shapewise refuses an unmarked Dynamo trace (it traces again with its marks)")
+
+
+def _install() -> bool:
+    """Whether the callback is registered (again, where ``torch._dynamo.reset()`` cleared Dynamo's callbacks)."""
+    if not _HANDLER:
+        try:
+            from torch._dynamo.callback import CallbackTrigger, callback_handler  # noqa: F401
+
+            _HANDLER.append(callback_handler)
+        except (ImportError, AttributeError):  # a torch without compile-start callbacks: refused as before
+            _HANDLER.append(None)
+    handler = _HANDLER[0]
+    if handler is None:
+        return False
+    if _on_start not in handler.start_callbacks:
+        with _INSTALL_LOCK:
+            if _on_start not in handler.start_callbacks:
+                handler.register_start_callback(_on_start)
+    return True
+
+
+@contextlib.contextmanager
+def no_new_trace() -> Iterator[_Refusal]:
+    """Within the block, a Dynamo trace that starts on this thread is refused before it runs: the call
+    raises (Dynamo's wrapper around ``TraceRefused``) and the yielded object's ``refused`` is True. Where
+    torch has no compile-start callback, nothing is refused here (the backend refuses, as before)."""
+    refusal = _Refusal()
+    if not _install():
+        yield refusal
+        return
+    outer = getattr(_LOCAL, "refusal", None)
+    _LOCAL.refusal = refusal
+    try:
+        yield refusal
+    finally:
+        _LOCAL.refusal = outer
