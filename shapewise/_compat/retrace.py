@@ -11,9 +11,7 @@ Dynamo's compile-start callbacks (``torch._dynamo.callback``) run before it trac
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 __all__ = ["TraceRefused", "no_new_trace"]
 
@@ -23,10 +21,23 @@ class TraceRefused(Exception):
 
 
 class _Refusal:
-    """``refused``: whether a Dynamo trace tried to start inside the block (and was refused)."""
+    """The context ``no_new_trace()`` returns; ``refused``: whether a Dynamo trace tried to start inside it (and
+    was refused)."""
+
+    __slots__ = ("active", "outer", "refused")
 
     def __init__(self) -> None:
-        self.refused = False
+        self.refused, self.active, self.outer = False, False, None
+
+    def __enter__(self) -> _Refusal:
+        if _install():
+            self.active, self.outer = True, getattr(_LOCAL, "refusal", None)
+            _LOCAL.refusal = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            _LOCAL.refusal = self.outer
 
 
 _LOCAL = threading.local()
@@ -64,18 +75,9 @@ def _install() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def no_new_trace() -> Iterator[_Refusal]:
-    """Within the block, a Dynamo trace that starts on this thread is refused before it runs: the call
-    raises (Dynamo's wrapper around ``TraceRefused``) and the yielded object's ``refused`` is True. Where
-    torch has no compile-start callback, nothing is refused here (the backend refuses, as before)."""
-    refusal = _Refusal()
-    if not _install():
-        yield refusal
-        return
-    outer = getattr(_LOCAL, "refusal", None)
-    _LOCAL.refusal = refusal
-    try:
-        yield refusal
-    finally:
-        _LOCAL.refusal = outer
+def no_new_trace() -> _Refusal:
+    """Within ``with no_new_trace() as refusal:``, a Dynamo trace that starts on this thread is refused before
+    it runs: the call raises (Dynamo's wrapper around ``TraceRefused``) and ``refusal.refused`` is True. Where
+    torch has no compile-start callback, nothing is refused here (the backend refuses, as before). (A class, not
+    a generator: it sits on every call that goes through Dynamo's frame.)"""
+    return _Refusal()
