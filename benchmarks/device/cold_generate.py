@@ -77,6 +77,18 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     if os.environ.get("BENCH_WORKER_THREADS"):  # --workers W/T: Inductor's compile threads in each worker
         worker_module.worker_compile_threads = lambda n: int(os.environ["BENCH_WORKER_THREADS"])
 
+    # Dynamo's whole traces (each symbolic run of the forward), refused ones included: 2 for compile_generate since
+    # _compat.no_new_trace (3 before: the decode step's first trace, unmarked, was run and then refused)
+    import torch._dynamo.symbolic_convert as symbolic_convert
+
+    dynamo_runs: list[str] = []
+    run_frame = symbolic_convert.InstructionTranslator.run
+
+    def counted_run(self, *args, **kwargs):
+        dynamo_runs.append(self.f_code.co_name)
+        return run_frame(self, *args, **kwargs)
+
+    symbolic_convert.InstructionTranslator.run = counted_run
     device = "cpu" if cpu_layers else "cuda"
     if cpu_layers:
         model = llama(TINY, "cpu", torch.float32, cpu_layers)
@@ -169,7 +181,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "variants": [[r["piece"], r["key"], r["source"], round(r["seconds"], 2)] for r in rows],
             f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
             "token_check": token_check(got[0, ids.shape[1]:], want[0, ids.shape[1]:], eager.logits),
-            "traces": fast.traces, "warm_start": warm_start, "warm_info": fast.warm_info,
+            "traces": fast.traces, "dynamo_runs": len(dynamo_runs), "warm_start": warm_start,
+            "warm_info": fast.warm_info,
             "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3),
             f"prefill{ids.shape[1]}_ms": round(sorted(first)[2] * 1e3, 3),
             "decode_ms_per_token": round((sorted(per_token)[1] * 32 - sorted(first)[2]) / 31 * 1e3, 3),
