@@ -86,8 +86,8 @@ class ShapewiseModule:
         # Per trace: the dims it fixed ({"seq": 1}), None for a dim it does not have ({"kv": None}).
         self.trace_fixed: list[dict[str, int | None]] = []
         self._watch: Any = None  # compile="lazy" / "background": whether compiles may still run
-        self._lock = threading.Lock()
-        self._local = threading.local()
+        self._lock, self._local = threading.Lock(), threading.local()
+        self._frames: set[int] = set()  # Dynamo's id of the code it traces (no_new_trace refuses its unmarked traces)
         self._unmarked = UnmarkedChanges()  # warns when a dim no mark covers makes Dynamo trace again
         self._compiled = torch.compile(model, backend=self._backend, dynamic=False, fullgraph=True)
         self._warm = WarmTraces(model, self._options, dynamic_dims) if warm_start else None
@@ -236,6 +236,7 @@ class ShapewiseModule:
             log.debug("shapewise: the unmarked-dim check failed: %s", e)
         self.runnables.append(runnable)
         self.trace_fixed.append(fixed)
+        self._frames.update({_compat.current_frame_id()} - {None})
         self._watch = runnable.runtime.watch or self._watch
         return self._direct_for(gm, example_inputs, runnable)
 
@@ -290,10 +291,9 @@ class ShapewiseModule:
                 out = self._warm.serve(args, kwargs, MISS)
                 return out if out is not MISS else self._first_call(args, kwargs, retrace=bool(self.runnables))
             if self.runnables:
-                # A trace Dynamo starts here (the call fails every trace's guards) is unmarked: refused before it
-                # runs (no_new_trace), else by the backend; or other instances of this class used up Dynamo's
-                # recompile limit of their shared forward. Traced again, marked, on a budget of its own.
-                with _compat.no_new_trace() as refusal:
+                # A trace Dynamo starts here is unmarked: refused before it runs (no_new_trace), else by the backend;
+                # or Dynamo's recompile limit was reached. Traced again, marked, on a budget of its own.
+                with _compat.no_new_trace(self._frames) as refusal:
                     try:
                         if (self._watch is not None and self._watch.active) or parallel.PendingVariant.unresolved:
                             with _compat.calls_during_fx_trace():  # a lazy / background / pending compile may trace

@@ -28,23 +28,30 @@ def dynamo_runs(monkeypatch):
     return runs
 
 
-def test_a_trace_that_starts_inside_is_refused_before_it_runs_and_later_calls_trace(dynamo_runs):
+def test_a_trace_of_its_frame_that_starts_inside_is_refused_before_it_runs_and_another_frame_traces(dynamo_runs):
     torch._dynamo.reset()
-    handed = []
+    handed, frames = [], set()
 
     def backend(gm, example_inputs):
         handed.append(gm)
+        frames.add(_compat.current_frame_id())
         return gm.forward
 
     f = torch.compile(lambda x: x.sin() + 1, backend=backend, fullgraph=True, dynamic=False)
+    g = torch.compile(lambda x: x.cos() * 2, backend=backend, fullgraph=True, dynamic=False)
     f(torch.randn(3))
-    with _compat.no_new_trace() as refusal, pytest.raises(Exception, match="TraceRefused|refuses"):
-        f(torch.randn(4))  # a new size: Dynamo would trace again
+    assert len(frames) == 1 and None not in frames
+    with _compat.no_new_trace(set(frames)) as refusal, pytest.raises(Exception, match="TraceRefused|refuses"):
+        f(torch.randn(4))  # a new size: Dynamo would trace f again
     assert refusal.refused and len(dynamo_runs) == 1 and len(handed) == 1
-    with _compat.no_new_trace() as refusal:
+    with _compat.no_new_trace(set(frames)) as refusal:
         f(torch.randn(3))  # served by the trace there is: nothing refused
-    assert not refusal.refused
-    assert f(torch.randn(4)).shape == (4,) and len(handed) == 2  # outside the block Dynamo traces as always
+        g(torch.randn(3))  # another frame (a compiled function the model calls as it runs): traced
+    assert not refusal.refused and len(handed) == 2
+    with _compat.no_new_trace(set()) as refusal:
+        f(torch.randn(5))  # no frames: nothing refused
+    assert not refusal.refused and len(handed) == 3
+    assert f(torch.randn(4)).shape == (4,) and len(handed) == 4  # outside the block Dynamo traces as always
 
 
 def test_compile_generate_traces_decode_once(dynamo_runs):

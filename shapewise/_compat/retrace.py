@@ -6,14 +6,17 @@ trace (its backend raises) and traces again itself, marked. Refused in the backe
 trace before it was wasted: on this project's CPU a 16-layer Llama's decode step, the second trace of
 every ``compile_generate``, took 2.3 s of Dynamo for nothing (benchmarks/results/trace_cost_cpu).
 Dynamo's compile-start callbacks (``torch._dynamo.callback``) run before it traces: inside
-``no_new_trace()`` one that starts on this thread is refused there, at no cost.
+``no_new_trace(frames)`` a trace that starts on this thread, of one of those frames (Dynamo's ids of the code
+objects the module traced, ``current_frame_id()`` at its trace), is refused there, at no cost. Another frame's
+(a ``torch.compile``d function the model calls as it runs, such as transformers' flex attention) traces as always.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection
 
-__all__ = ["TraceRefused", "no_new_trace"]
+__all__ = ["TraceRefused", "current_frame_id", "no_new_trace"]
 
 
 class TraceRefused(Exception):
@@ -24,13 +27,13 @@ class _Refusal:
     """The context ``no_new_trace()`` returns; ``refused``: whether a Dynamo trace tried to start inside it (and
     was refused)."""
 
-    __slots__ = ("active", "outer", "refused")
+    __slots__ = ("active", "frames", "outer", "refused")
 
-    def __init__(self) -> None:
-        self.refused, self.active, self.outer = False, False, None
+    def __init__(self, frames: Collection[int]) -> None:
+        self.refused, self.active, self.outer, self.frames = False, False, None, frames
 
     def __enter__(self) -> _Refusal:
-        if _install():
+        if self.frames and _install():
             self.active, self.outer = True, getattr(_LOCAL, "refusal", None)
             _LOCAL.refusal = self
         return self
@@ -51,7 +54,7 @@ def _on_start(args: object) -> None:
         return
     from torch._dynamo.callback import CallbackTrigger
 
-    if getattr(args, "callback_trigger", CallbackTrigger.DYNAMO) is CallbackTrigger.DYNAMO:
+    if getattr(args, "callback_trigger", None) is CallbackTrigger.DYNAMO and current_frame_id() in refusal.frames:
         refusal.refused = True
         raise TraceRefused("shapewise refuses an unmarked Dynamo trace (it traces again with its marks)")
 
@@ -75,9 +78,21 @@ def _install() -> bool:
     return True
 
 
-def no_new_trace() -> _Refusal:
-    """Within ``with no_new_trace() as refusal:``, a Dynamo trace that starts on this thread is refused before
-    it runs: the call raises (Dynamo's wrapper around ``TraceRefused``) and ``refusal.refused`` is True. Where
-    torch has no compile-start callback, nothing is refused here (the backend refuses, as before). (A class, not
-    a generator: it sits on every call that goes through Dynamo's frame.)"""
-    return _Refusal()
+def no_new_trace(frames: Collection[int]) -> _Refusal:
+    """Within ``with no_new_trace(frames) as refusal:``, a Dynamo trace of one of ``frames`` (ids from
+    ``current_frame_id()``) that starts on this thread is refused before it runs: the call raises (Dynamo's wrapper
+    around ``TraceRefused``) and ``refusal.refused`` is True. Where torch has no compile-start callback, or
+    ``frames`` is empty, nothing is refused here (the backend refuses, as before). (A class, not a generator: it
+    sits on every call that goes through Dynamo's frame.)"""
+    return _Refusal(frames)
+
+
+def current_frame_id() -> int | None:
+    """Dynamo's id of the code object it is compiling now (the same for every trace of it), or None."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except (ImportError, AttributeError):
+        return None
+    return getattr(compile_id, "frame_id", None)
