@@ -90,8 +90,9 @@ _WDOT_TILINGS = ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 256, 4,
                  (128, 128, 8, 4))
 # More wdot tilings, timed only where ``SHAPEWISE_GEMV_WDOT_MORE=1`` (an experiment, 2026-12-07): at a
 # row tile of 64 the shared-memory budget leaves two of the tilings above, and cuBLAS kept the 7B stack's
-# qkv, o and down weights at 64 rows (75-88% of the bandwidth, against wdot's 90% on gate-up). Not yet run
-# on a GPU (no device this session): the kernel tests time them against float64 (they set it) at the next run.
+# qkv, o and down weights at 64 rows (75-88% of the bandwidth, against wdot's 90% on gate-up). Timed on an H100
+# (benchmarks/results/norm_h100_20261207): no gain (the 7B stack 668 / 717 against 655 / 705 µs at 16 / 64 rows),
+# so it stays off; the kernel tests still run them against float64 (they set it).
 _WDOT_MORE_TILINGS = ((64, 64, 4, 8), (128, 64, 4, 6), (128, 64, 8, 6), (64, 128, 4, 5), (128, 128, 8, 3),
                       (256, 64, 8, 4))
 # The rows tilings (block_n, block_k, warps): weight tiles of 2-8K elements (4-16 KiB in bf16).
