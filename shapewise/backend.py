@@ -66,7 +66,7 @@ def build_pipeline(
     progress: bool | None = None,
     lean: bool = True,
     compile_workers: Any = "auto",
-    wait_for_workers: bool = False,
+    wait_for_workers: bool | str = False,
     graph_passes: Sequence[Any] = (),
     inductor_passes: Sequence[Any] = (),
 ) -> Pipeline:
@@ -89,6 +89,9 @@ def build_pipeline(
               # (start-up capture runs every size on the first call: nothing to gain by leaving any pending)
               wait_for_workers=wait_for_workers or cudagraphs_options(cudagraphs).get("capture") == "startup"),
     ]
+    if wait_for_workers == "never" and cudagraphs_options(cudagraphs).get("capture") == "startup":
+        raise ConfigError("wait_for_workers='never' runs the first calls eagerly while workers compile, but "
+                          "cudagraphs capture='startup' captures every size as it compiles: drop one of the two")
     if cudagraphs and compile != "eager_all":
         raise ConfigError(f"cudagraphs captures compiled pieces up front: use compile='eager_all', not {compile!r}")
     if cudagraphs:

@@ -23,7 +23,8 @@ and whether its calls were direct); ``--profile`` adds a cProfile of each warm s
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --workers 1,1+sdpa,1+sdpa:prefill
     # +sdpa: split at attention; +sdpa:prefill: the prompt trace split, decode's whole (whole_traces={"seq": 1},
     # compile_generate's default under full graphs since 2026-12-07); +none: every trace whole (splitting_ops=());
-    # +default:keep, +none:keep: keep_cache=True (one static cache kept from call to call)
+    # +default:keep, +none:keep: keep_cache=True (one static cache kept from call to call); +default:never:
+    # wait_for_workers="never" (every variant a worker's, the first calls run eagerly meanwhile)
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --profile
     PYTHONPATH=. python3 benchmarks/device/cold_generate.py --out $OUT --warm --kinds whole --parallel 6 --profile
 
@@ -118,6 +119,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             cpu_as_gpu["whole_traces"] = {"seq": 1}
         if "keep" in flags:  # W+none:keep: one static cache kept from call to call (keep_cache=True)
             cpu_as_gpu["keep_cache"] = True
+        if "never" in flags:  # W+default:never: the first calls eager while the workers compile every variant
+            cpu_as_gpu["wait_for_workers"] = "never"
     t = time.perf_counter()
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
                                cudagraphs=False if cpu_layers else "full", compile_workers=workers, progress=False,
@@ -131,6 +134,9 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     # With compile workers the first generate() runs once its own sizes are ready; the variants left to
     # the workers are loaded on first use. ready_s: until every variant is (wait() loads the rest).
     pending_at_first = sum(r["source"] == "pending" for r in fast.report())
+    stand_ins = [v.compiled.stand_in for r in fast.runnables for p in r.program.compute_pieces for v in p.variants
+                 if getattr(v.compiled, "stand_in", None) is not None]
+    eager_calls = sum(s.calls for s in stand_ins)  # calls the first generate() ran eagerly (wait_for_workers="never")
     t = time.perf_counter()
     fast.wait()
     ready_s = first_s + (time.perf_counter() - t)
@@ -175,7 +181,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     for r in rows:
         sources[r["source"]] = sources.get(r["source"], 0) + 1
     return {"workers": workers, "first_generate_s": round(first_s, 2), "all_ready_s": round(ready_s, 2),
-            "pending_at_first_generate": pending_at_first, "setup_s": round(setup_s, 2),
+            "pending_at_first_generate": pending_at_first, "eager_calls_at_first_generate": eager_calls,
+            "setup_s": round(setup_s, 2),
             "variant_seconds": round(sum(r["seconds"] for r in rows), 2), "sources": sources,
             # [piece, binding, source, seconds in the session: a compile, a load, or the wait for a worker's artifact]
             "variants": [[r["piece"], r["key"], r["source"], round(r["seconds"], 2)] for r in rows],

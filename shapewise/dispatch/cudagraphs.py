@@ -250,6 +250,28 @@ class GraphRuntime:
     pieces: list[GraphedPiece]
     staged: list[StagedInputs]
     callables: dict[tuple, dict[str, Callable[..., Any]]] = field(default_factory=dict)
+    gates: list[UntilCompiled] = field(default_factory=list)
+
+
+class UntilCompiled:
+    """A captured size's entry while variants it runs are still compile workers', each run eagerly in
+    its place (``Lower(wait_for_workers="never")``, ``EagerStandIn``): calls go uncaptured through
+    ``plain`` till every one is in (a pending variant loads its artifact on its first call after its
+    worker is done), then to ``graphed``, whose graphs warm up and capture on their next calls as any
+    size's do; ``on_ready`` (set by the dispatch) then puts ``graphed`` in this entry's place."""
+
+    def __init__(self, graphed: Callable[..., Any], plain: Callable[..., Any], pending: Sequence[Any]) -> None:
+        self.graphed, self.plain, self.pending = graphed, plain, list(pending)
+        self.on_ready: Callable[[], None] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.pending:
+            self.pending = [p for p in self.pending if not p.ready]
+            if self.pending:
+                return self.plain(*args)
+            if self.on_ready is not None:
+                self.on_ready()
+        return self.graphed(*args)
 
 
 def build_graphs(program: Program, plan: GraphPlan) -> GraphRuntime:
@@ -269,8 +291,10 @@ def build_graphs(program: Program, plan: GraphPlan) -> GraphRuntime:
     pieces: list[GraphedPiece] = []
     staged: list[StagedInputs] = []
     per_size: dict[tuple, dict[str, Callable[..., Any]]] = {}
+    gates: list[UntilCompiled] = []
     for size in plan.sizes:
         callables = program.callables(size.binding)
+        eager = [c for c in callables.values() if getattr(c, "stand_in", None) is not None and not c.ready]
         if size.whole:
             run: Callable[..., Any] = GraphedPiece(make_runner(program.graph, callables), "forward", size.key, pool,
                                                    whole, layout_guarded=True)
@@ -294,8 +318,12 @@ def build_graphs(program: Program, plan: GraphPlan) -> GraphRuntime:
         if size.whole:
             run.copy_outputs = plan.copy_outputs
         entries[size.key] = copy_out(run) if plan.copy_outputs and not size.whole else run
+        if eager:  # graphs only once no variant of the size runs eagerly in a worker's stead
+            gates.append(UntilCompiled(entries[size.key], make_runner(program.graph, program.callables(size.binding)),
+                                       eager))
+            entries[size.key] = gates[-1]
     if plan.pad:
         entries.update(padded_entries(program, entries))
-    return GraphRuntime(pool, entries, pieces, staged, per_size)
+    return GraphRuntime(pool, entries, pieces, staged, per_size, gates)
 
 

@@ -11,6 +11,7 @@ Program: each Runnable builds its own.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import time
@@ -99,6 +100,8 @@ def build_runtime(program: Program) -> DispatchRuntime:
     if plan.graphs is not None:
         graphs = build_graphs(program, plan.graphs)
         table.add_exact(graphs.entries)
+        for gate in graphs.gates:
+            gate.on_ready = functools.partial(table.replace_runner, gate, gate.graphed)
     if background is not None:
         background.start({b: d for b, (d, _) in deferred.items()})
     return DispatchRuntime(table, guards, session, background, watch if deferred else None, general, graphs, deferred)

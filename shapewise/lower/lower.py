@@ -33,7 +33,7 @@ from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.cache import ArtifactCache, resolve_cache
 from shapewise.lower.compile import lower_variant, reads_item_values
 from shapewise.lower.lean import drop_size_asserts, expected_layouts, lean_call, lean_splitting_call
-from shapewise.lower.parallel import PendingVariant, start_workers
+from shapewise.lower.parallel import pending_variant, start_workers
 from shapewise.lower.workers import WorkerPool, resolve_workers  # (placement's, which workers uses too)
 from shapewise.passes.base import Pass, register_pass
 from shapewise.version import __version__
@@ -287,9 +287,11 @@ class CompileSession:
         workers = resolve_workers(self.lower.compile_workers)
         # (a variant that falls back to eager when its compile fails is not left pending: the runner, built
         # now, would take its outputs for a compiled piece's and skip the layout checks eager's need)
-        defer = now is not None and not self.lower.wait_for_workers and self.lower.on_compile_error != "fallback"
+        wait = self.lower.wait_for_workers
+        defer = now is not None and wait is not True and self.lower.on_compile_error != "fallback"
+        eager = defer and wait == "never"  # the traced size's go to the workers too, run eagerly meanwhile
         if workers > 1:
-            order, sent = start_workers(self, pieces, order, workers, now if defer else None)
+            order, sent = start_workers(self, pieces, order, workers, now if defer else None, keep_now=not eager)
         pool, config = self.workers, _compat.inductor_config_kept() if sent and defer else None
         with self.progress(todo) as bar, contextlib.ExitStack() as stack:
             if pool is not None:
@@ -297,7 +299,8 @@ class CompileSession:
             later = []
             for i, j in order:  # never waiting for another rank: what one holds comes later
                 if defer and (i, j) in sent:
-                    done[i, j] = self._pending(pieces[i], pieces[i].variants[j], sent[i, j], pool, config)
+                    done[i, j] = pending_variant(self, pieces[i], pieces[i].variants[j], sent[i, j], pool, config,
+                                                 eager)
                     bar.update(1)
                     continue
                 v = self.compile(pieces[i], pieces[i].variants[j], wait=self.world == 1)
@@ -315,14 +318,6 @@ class CompileSession:
             log.info("%s", summary_line({k: self.counts[k] - before.get(k, 0) for k in SOURCES},
                                         time.perf_counter() - t0))
         return out
-
-    def _pending(self, piece: Piece, variant: Variant, key: str, pool: WorkerPool, config: Any) -> Variant:
-        """``variant`` left to a worker: a ``PendingVariant`` that loads it on its first call."""
-        report = {**self.lower._pending_row(piece, variant), "artifact": key[:12]}
-        with self._lock:
-            self.counts["pending"] += 1
-        return dataclasses.replace(variant, compiled=PendingVariant(self, piece, variant, pool, report, config),
-                                   report=report, artifact_key=(key, True))
 
     def _stop_workers(self, keep: frozenset = frozenset()) -> None:
         workers, self.workers = self.workers, None
@@ -406,7 +401,9 @@ class Lower(Pass):
     ``SHAPEWISE_COMPILE_WORKERS`` where that is set; 1: none. What workers compile
     is loaded on first use, the trace's own size compiled here (``shapewise.lower.parallel``);
     ``wait_for_workers=True`` (and always with ``on_compile_error="fallback"``): every variant before
-    the compile returns.
+    the compile returns; ``"never"``: the traced size's too go to the workers (queued first), and each
+    pending variant's calls run its graph eagerly until its worker is done (``EagerStandIn``; CUDA graphs
+    capture a size once its variants are all in): the first call waits for no compile.
     ``lean``: call Inductor inference artifacts past AOTAutograd's runtime wrappers where those
     have nothing to do (see ``lean_call``; the report's ``lean`` column says where), compile
     static pieces without Inductor's input asserts (the runner checks what needs it, see
@@ -426,7 +423,7 @@ class Lower(Pass):
     progress: Any = None
     lean: bool = True
     compile_workers: Any = "auto"
-    wait_for_workers: bool = False
+    wait_for_workers: bool | str = False
 
     def __post_init__(self) -> None:
         if not callable(self.backend) and self.backend not in BACKENDS:
@@ -440,8 +437,8 @@ class Lower(Pass):
             raise ConfigError(f"cache must be None (default), True, False or a folder path, got {self.cache!r}")
         if not isinstance(self.lean, bool):
             raise ConfigError(f"lean must be True or False, got {self.lean!r}")
-        if not isinstance(self.wait_for_workers, bool):
-            raise ConfigError(f"wait_for_workers must be True or False, got {self.wait_for_workers!r}")
+        if not (isinstance(self.wait_for_workers, bool) or self.wait_for_workers == "never"):
+            raise ConfigError(f"wait_for_workers must be True, False or 'never', got {self.wait_for_workers!r}")
         if not isinstance(self.dedupe, bool):
             raise ConfigError(f"dedupe must be True or False, got {self.dedupe!r}")
         if self.progress not in (None, True, False):

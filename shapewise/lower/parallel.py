@@ -23,6 +23,7 @@ fallback's outputs need) and start-up CUDA-graph capture (it runs every size on 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,7 @@ from shapewise.ir.program import Binding, Piece, Variant
 from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.workers import WorkerPool, task_bytes
 
-__all__ = ["PendingVariant", "is_now", "start_workers"]
+__all__ = ["EagerStandIn", "PendingVariant", "is_now", "output_layouts", "pending_variant", "start_workers"]
 
 log = logging.getLogger("shapewise")
 
@@ -49,24 +50,29 @@ def is_now(binding: Binding, now: Mapping[sympy.Symbol, int] | None) -> bool:
 
 
 def start_workers(session: Any, pieces: Sequence[Piece], order: list[tuple[int, int]], most: int,
-                  now: Mapping[sympy.Symbol, int] | None = None) -> tuple[list[tuple[int, int]], dict]:
+                  now: Mapping[sympy.Symbol, int] | None = None,
+                  keep_now: bool = True) -> tuple[list[tuple[int, int]], dict]:
     """Hand the distinct keys that need a static Inductor compile, but not the one the session keeps at
-    the traced sizes ``now`` (``_kept_here``; those it does not keep are queued first), to at most ``most``
-    worker processes (``session.workers``); (the order the session takes
-    the variants in, {(piece, variant) position: key} of those sent). The order: what no worker was
-    given first, then the workers' from the far end of their queue (where the session waits for them).
-    With ``now`` (None: not a trace's compile) one task is worth a worker (the session compiles the
-    traced size meanwhile)."""
+    the traced sizes ``now`` (``_kept_here``; none with ``keep_now`` False), to at most ``most`` worker
+    processes (``session.workers``); those at ``now`` are queued first, before any task of an earlier
+    trace that no worker has started. Returns (the order the session takes the variants in,
+    {(piece, variant) position: key} of those sent). The order: what no worker was given first, then
+    the workers' from the far end of their queue (where the session waits for them). With ``now``
+    (None: not a trace's compile) one task is worth a worker (the session compiles the traced size
+    meanwhile, or with ``keep_now`` False, runs it eagerly)."""
     if session.cache is None or session.lower.backend != "inductor":
         return order, {}
     keys = _worker_keys(session, pieces, order)
-    mine = _kept_here(pieces, order, keys, now)
+    mine = _kept_here(pieces, order, keys, now) if keep_now else set()
     tasks: dict[str, bytes] = {}
+    first: set[str] = set()
     sent: dict[tuple[int, int], str] = {}
     for i, j in sorted(order, key=lambda ij: not is_now(pieces[ij[0]].variants[ij[1]].binding, now)):
         key = keys.get((i, j))
         if key is None or (i, j) in mine:
             continue
+        if is_now(pieces[i].variants[j].binding, now):
+            first.add(key)
         if key not in tasks:
             piece, variant = pieces[i].as_compiled_for(pieces[i].variants[j]), pieces[i].variants[j]
             names = piece.shapes.names if piece.shapes else {}
@@ -82,7 +88,7 @@ def start_workers(session: Any, pieces: Sequence[Piece], order: list[tuple[int, 
         return order, {}
     session.workers = WorkerPool(workers, str(session.cache.root))
     for key, data in tasks.items():
-        session.workers.submit(key, data)
+        session.workers.submit(key, data, first=key in first)
     log.info("shapewise: %d compiles handed to %d worker processes", len(tasks), workers)
     queue_place = {k: n for n, k in enumerate(tasks)}
     return [ij for ij in order if ij not in sent] + sorted((ij for ij in order if ij in sent),
@@ -123,6 +129,17 @@ def _kept_here(pieces: Sequence[Piece], order: list[tuple[int, int]], keys: Mapp
     return set(at_now) - {ij for ijs in by_key.values() if ijs is not largest for ij in ijs}
 
 
+def pending_variant(session: Any, piece: Piece, variant: Variant, key: str, pool: WorkerPool, config: Any,
+                    eager: bool) -> Variant:
+    """``variant`` left to a worker: a ``PendingVariant`` that loads it on its first call (``eager``: on
+    the first once the worker is done, run eagerly before), its report row "pending" till then."""
+    report = {**session.lower._pending_row(piece, variant), "artifact": key[:12]}
+    with session._lock:
+        session.counts["pending"] += 1
+    compiled = PendingVariant(session, piece, variant, pool, report, config, key, eager)
+    return dataclasses.replace(variant, compiled=compiled, report=report, artifact_key=(key, True))
+
+
 class PendingVariant:
     """A variant a worker process compiles, as the dispatch table calls it: its first call (or
     ``resolve()``) gets the artifact through the session (``CompileSession.compile``: loaded from the
@@ -138,8 +155,11 @@ class PendingVariant:
     _count_lock = threading.Lock()
 
     def __init__(self, session: Any, piece: Piece, variant: Variant, workers: WorkerPool | None,
-                 report: dict[str, Any], config: Any) -> None:
+                 report: dict[str, Any], config: Any, key: str | None = None, eager: bool = False) -> None:
         self._args: tuple | None = (session, piece, variant, workers)
+        self._key = key
+        # Lower(wait_for_workers="never"): calls before the worker's artifact is in run the graph eagerly
+        self.stand_in = EagerStandIn(piece.as_compiled_for(variant), variant) if eager else None
         self._state = _compat.compile_state()
         self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._config = config
@@ -154,6 +174,15 @@ class PendingVariant:
     @property
     def ready(self) -> bool:
         return self._fn is not None
+
+    def arrived(self) -> bool:
+        """Whether loading would not wait for the worker: its compile is over (compiled, failed: then
+        compiled here), it was never sent, or the workers are gone."""
+        args = self._args
+        if args is None or args[3] is None:
+            return True
+        future = args[3].futures.get(self._key)
+        return future is None or future.done() or not args[3].processes.alive()
 
     def resolve(self) -> Any:
         """The variant's callable, got once (thread-safe)."""
@@ -188,6 +217,8 @@ class PendingVariant:
     def __call__(self, *args: Any) -> Any:
         fn = self._fn
         if fn is None:
+            if self.stand_in is not None and not self.arrived():
+                return self.stand_in(*args)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise ShapewiseError(
                     f"{self.report.get('piece')} at {self.report.get('key')} is still a compile worker's (not loaded "
@@ -199,3 +230,53 @@ class PendingVariant:
     def __repr__(self) -> str:
         return f"<shapewise.PendingVariant {self.report.get('piece')} {self.report.get('key')} " \
                f"{'ready' if self.ready else 'failed' if self._error is not None else 'pending'}>"
+
+
+class EagerStandIn:
+    """A pending variant's graph run eagerly (its forward, not compiled) while a worker compiles it
+    (``Lower(wait_for_workers="never")``): the same answers, at eager's speed. Its outputs are laid
+    out as the compiled variant's will be (the graph's fake layouts at the variant's sizes, which
+    Inductor keeps and later pieces were compiled for): one that eager lays out otherwise is copied
+    into that layout, with a warning. ``calls``: how many calls it served."""
+
+    def __init__(self, piece: Piece, variant: Variant) -> None:
+        self.forward = piece.gm.forward
+        self.name = f"{piece.name} at {variant.binding}"
+        self.want = output_layouts(piece.gm, variant.binding.static_values() if variant.binding.is_static else {})
+        self.calls = 0
+        self.relaid = 0
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        out = self.forward(*args)
+        if not self.want or not isinstance(out, (tuple, list)) or len(out) != len(self.want):
+            return out
+        fixed = list(out)
+        for i, (t, want) in enumerate(zip(out, self.want)):
+            if want is not None and isinstance(t, torch.Tensor) and tuple(t.shape) == want[0] and any(
+                    size != 1 and got != stride for size, got, stride in zip(want[0], t.stride(), want[1])):
+                if not self.relaid:
+                    log.warning("shapewise: %s: eager laid out output %d with strides %s, the compiled variant with "
+                                "%s; copied into that layout while it runs eagerly", self.name, i, t.stride(), want[1])
+                self.relaid += 1
+                fixed[i] = torch.empty_strided(want[0], want[1], dtype=t.dtype, device=t.device).copy_(t)
+        return type(out)(fixed) if self.relaid else out
+
+
+def output_layouts(gm: torch.fx.GraphModule, values: Mapping[sympy.Symbol, int]) -> tuple | None:
+    """Per output of ``gm`` (a tuple or list of them): its traced (shape, stride) at the sizes ``values``;
+    None for an output that is not a tensor or whose layout these sizes do not fix (None in all:
+    no flat outputs)."""
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    if out is None or not isinstance(out.args[0], (tuple, list)):
+        return None
+    subs = {s: sympy.Integer(v) for s, v in values.items()}
+    want: list[tuple | None] = []
+    for a in out.args[0]:
+        v = _compat.node_value(a) if isinstance(a, torch.fx.Node) else None
+        try:
+            want.append(None if not isinstance(v, torch.Tensor) else tuple(
+                tuple(int(_compat.sym_expr(d).xreplace(subs)) for d in dims) for dims in (v.shape, v.stride())))
+        except TypeError:  # a size these values leave symbolic
+            want.append(None)
+    return tuple(want)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import itertools
 import logging
 import operator
 import os
@@ -302,7 +303,10 @@ class _Processes:
 
     def __init__(self, workers: int, setup: tuple) -> None:
         self.setup = setup
-        self.queue: queue.Queue = queue.Queue()
+        # (rank, order, task): a call's own size (rank 0) before the sizes no call waits for yet (1), in the
+        # order given within each; rank 2 ends a feeding thread.
+        self.queue: queue.PriorityQueue = queue.PriorityQueue()
+        self.order = itertools.count()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.procs = [subprocess.Popen([sys.executable, "-m", "shapewise.lower.worker_process"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env) for _ in range(workers)]
@@ -318,7 +322,7 @@ class _Processes:
         try:
             _send(proc.stdin, self.setup)
             while True:
-                item = self.queue.get()
+                _, _, item = self.queue.get()
                 if item is None:
                     break
                 key, data, future = item
@@ -335,9 +339,10 @@ class _Processes:
                 _send(proc.stdin, b"")
                 proc.stdin.close()
 
-    def submit(self, key: str, data: bytes) -> Future:
+    def submit(self, key: str, data: bytes, first: bool = False) -> Future:
+        """Queue a compile; ``first``: before every task queued without it that no worker has started."""
         future: Future = Future()
-        self.queue.put((key, data, future))
+        self.queue.put((0 if first else 1, next(self.order), (key, data, future)))
         return future
 
     def shutdown(self, grace: float = 10.0) -> None:
@@ -347,7 +352,7 @@ class _Processes:
         dropped = 0
         while True:
             try:
-                item = self.queue.get_nowait()
+                _, _, item = self.queue.get_nowait()
             except queue.Empty:
                 break
             if item is not None and item[2].cancel():
@@ -355,7 +360,7 @@ class _Processes:
         if dropped:
             log.info("shapewise: %d compiles no worker had started were dropped with the workers", dropped)
         for _ in self.threads:
-            self.queue.put(None)
+            self.queue.put((2, next(self.order), None))
         deadline = time.monotonic() + grace
         for t in self.threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -451,8 +456,8 @@ class WorkerPool:
         self.processes = _processes(workers, cache_root)
         self.futures: dict[str, Future] = {}
 
-    def submit(self, key: str, data: bytes) -> None:
-        self.futures[key] = self.processes.submit(key, data)
+    def submit(self, key: str, data: bytes, first: bool = False) -> None:
+        self.futures[key] = self.processes.submit(key, data, first)
 
     def outcome(self, key: str, timeout: float = OUTCOME_WAIT_S) -> str | None:
         future = self.futures.get(key)

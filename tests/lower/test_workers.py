@@ -32,7 +32,7 @@ class InlinePool(workers.WorkerPool):
         self.futures, self.n = {}, n
         InlinePool.made.append(self)
 
-    def submit(self, key: str, data: bytes) -> None:
+    def submit(self, key: str, data: bytes, first: bool = False) -> None:
         future: Future = Future()
         broken = len(self.futures) in InlinePool.fail
         future.set_result((key, "failed: the worker process ended (EOFError)", 0.0) if broken
@@ -141,8 +141,6 @@ def test_pending_variants_load_under_the_traces_grad_mode_by_wait_and_wait_for_w
                         compile_workers=2, wait_for_workers=True, progress=False)
     _check(waited, model, sizes=(2,))
     assert {r["source"] for r in waited.report() if r["key"] != "{n=2}"} == {"worker"}
-    with pytest.raises(sw.ConfigError, match="wait_for_workers must be True or False"):
-        sw.lower.Lower(wait_for_workers="yes")
 
 
 def test_the_default_starts_workers_with_the_trace_and_deferred_compiles_start_none(tmp_path, monkeypatch):
@@ -159,9 +157,9 @@ def test_the_default_starts_workers_with_the_trace_and_deferred_compiles_start_n
 class AutocastOffPool(InlinePool):
     """InlinePool with each task run where autocast is off, as in a worker process."""
 
-    def submit(self, key: str, data: bytes) -> None:
+    def submit(self, key: str, data: bytes, first: bool = False) -> None:
         with torch.autocast("cpu", enabled=False):
-            super().submit(key, data)
+            super().submit(key, data, first)
 
 
 def test_autocast_is_in_the_key_and_workers_and_pending_variants_compile_under_the_traces(tmp_path, monkeypatch):
@@ -522,3 +520,141 @@ def test_compile_generate_on_a_transformers_model_leaves_other_prompt_sizes_to_t
     assert sources()[("1", "{seq=4}")] == ["worker", "worker"]
     assert fast.wait(timeout=0) and fast.traces == 2
 
+
+
+class HeldPool(InlinePool):
+    """InlinePool whose tasks wait (futures not done) until ``release()`` compiles them, in the order a
+    worker would take them (``first`` ones before the rest)."""
+
+    def submit(self, key: str, data: bytes, first: bool = False) -> None:
+        self.futures[key] = Future()
+        self.held = [*getattr(self, "held", []), (not first, len(self.futures), key, data)]
+
+    def release(self) -> list[str]:
+        order = [key for _, _, key, _ in sorted(self.held)]
+        for _, _, key, data in sorted(self.held):
+            self.futures[key].set_result(workers.compile_in_worker(data))
+        self.held = []
+        return order
+
+    processes = type("Alive", (), {"alive": staticmethod(lambda: True)})()
+
+
+def test_never_waiting_runs_every_size_eagerly_until_its_worker_is_done_then_the_workers(tmp_path, monkeypatch):
+    # wait_for_workers="never": the session compiles no static variant, not even the traced size's (queued
+    # first); calls run the graphs eagerly (eager's answers, each stand-in counting its calls) until the
+    # workers are done, then load their artifacts: every static row the worker's. The range still compiles here.
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", HeldPool)
+    InlinePool.made, InlinePool.fail = [], set()
+    model = _model()
+    fast = sw.compile(model, sizes=[1, 2, 4], ranges=[(5, 16)], splitting_ops=[ATTENTION_OP], cache=tmp_path,
+                      compile_workers=2, wait_for_workers="never", progress=False)
+    _check(fast, model, sizes=(1, 2, 4, 9))
+    rows = list(fast.report())
+    assert {r["source"] for r in rows if r["static"]} == {"pending"}, rows
+    assert {r["source"] for r in rows if not r["static"]} == {"compiled"}
+    pending = [v.compiled for p in fast.program.compute_pieces for v in p.variants if v.binding.is_static]
+    assert all(fn.stand_in.calls == 1 and not fn.ready for fn in pending)
+    (pool,) = InlinePool.made
+    traced = {r["artifact"] for r in rows if r["key"] == "{n=1}"}
+    order = pool.release()
+    assert set(order[:len(traced)]) == {k for k in order if k[:12] in traced}  # the traced size's first
+    _check(fast, model, sizes=(1, 2, 4))
+    assert all(fn.ready and fn.stand_in.calls == 1 for fn in pending)
+    assert {r["source"] for r in fast.report() if r["static"]} == {"worker"}
+    with pytest.raises(sw.ConfigError, match="wait_for_workers must be True, False or 'never'"):
+        sw.lower.Lower(wait_for_workers="yes")
+
+
+def test_an_eager_stand_in_lays_its_outputs_out_as_the_compiled_variant_will():
+    # The graph's traced layout is what a later piece was compiled for: an output eager lays out
+    # otherwise (here a transpose the traced graph says is contiguous) is copied into that layout.
+    from shapewise.lower.parallel import EagerStandIn, output_layouts
+
+    gm = torch.fx.symbolic_trace(lambda x: (x.t(), x + 1))
+    fake = torch._subclasses.FakeTensorMode()
+    with fake:
+        x = torch.empty(3, 4)
+    for node, val in zip(list(gm.graph.nodes)[:3], (x, torch.empty(4, 3), torch.empty(3, 4))):
+        node.meta["val"] = val
+    assert output_layouts(gm, {}) == (((4, 3), (3, 1)), ((3, 4), (4, 1)))
+    piece = type("P", (), {"gm": gm, "name": "p"})()
+    variant = type("V", (), {"binding": sw.ir.program.Binding(())})()
+    stand_in = EagerStandIn(piece, variant)
+    a = torch.randn(3, 4)
+    t, y = stand_in(a)
+    assert t.stride() == (3, 1) and torch.equal(t, a.t()) and torch.equal(y, a + 1) and stand_in.relaid == 1
+
+
+def test_compile_generate_never_waiting_generates_eagers_tokens_before_and_after_the_workers(tmp_path, monkeypatch):
+    # A user's cold start that waits for no compile: the first generate() runs the prompt and decode graphs
+    # eagerly (every variant a worker's, queued), with eager's tokens; once the workers are done the next
+    # generate() loads and runs their artifacts, the same tokens. Start-up capture cannot go with it.
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", HeldPool)
+    InlinePool.made, InlinePool.fail = [], set()
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (1, 6))
+    want = model.generate(ids, max_new_tokens=5, do_sample=False, disable_compile=True).tolist()
+    fast = sw.compile_generate(model, prompt_sizes=[4, 6], max_length=16, static_cache=True, cache=str(tmp_path),
+                               compile_workers=2, wait_for_workers="never", progress=False)
+    assert model.generate(ids, max_new_tokens=5, do_sample=False).tolist() == want
+    assert {r["source"] for r in fast.report()} == {"pending"} and len(InlinePool.made) == 2  # one pool a trace
+    stand_ins = [v.compiled.stand_in for r in fast.runnables for p in r.program.compute_pieces for v in p.variants]
+    assert sum(s.calls for s in stand_ins) >= 1 + 4  # the prompt's pieces once, decode once a new token
+    for pool in InlinePool.made:
+        pool.release()
+    assert model.generate(ids, max_new_tokens=5, do_sample=False).tolist() == want
+    assert {r["source"] for r in fast.report() if r["key"] != "{seq=4}"} == {"worker"}
+    with pytest.raises(sw.ConfigError, match="captures every size as it compiles"):
+        sw.backend.build_pipeline(wait_for_workers="never", cudagraphs={"capture": "startup"})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cudagraphs", ["full", True])
+def test_never_waiting_captures_cuda_graphs_only_once_the_workers_variants_are_in(cudagraphs, tmp_path, monkeypatch):
+    # Under CUDA graphs the eager stand-ins run uncaptured (a graph of eager kernels would be kept for
+    # good): no size captures till its variants are the workers'; then the sizes capture, eager's tokens
+    # throughout, and the gate leaves the dispatch table.
+    from shapewise.dispatch.cudagraphs import UntilCompiled
+
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", HeldPool)
+    InlinePool.made, InlinePool.fail = [], set()
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval().cuda()
+    ids = torch.randint(0, 96, (1, 6), device="cuda")
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                          disable_compile=True)
+    fast = sw.compile_generate(model, prompt_sizes=[6], max_length=32, static_cache=True, cache=str(tmp_path),
+                               compile_workers=2, wait_for_workers="never", cudagraphs=cudagraphs, progress=False)
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
+    runtimes = [r.runtime for r in fast.runnables]
+    assert all(p.graph is None for rt in runtimes for p in rt.graphs.pieces)
+    assert all(rt.graphs.gates for rt in runtimes)
+    for pool in InlinePool.made:
+        pool.release()
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
+    assert {r["source"] for r in fast.report()} == {"worker"}
+    decode = runtimes[1].graphs.pieces
+    assert decode and all(p.graph is not None for p in decode), [(p.name, p.uncaptured) for p in decode]
+    assert not any(isinstance(fn, UntilCompiled) for rt in runtimes for fn in rt.table.exact.values())
+
+
+def test_a_calls_own_size_is_queued_before_the_sizes_no_call_waits_for():
+    # (no processes: the queue alone) A later trace's traced size goes before an earlier trace's
+    # other sizes that no worker has started; within each rank, the order given; shutdown drops them.
+    procs = workers._Processes(0, ())
+    futures = {k: procs.submit(k, b"", first=k.startswith("now")) for k in ("a", "b", "now1", "c", "now2")}
+    assert [procs.queue.get_nowait()[2][0] for _ in range(5)] == ["now1", "now2", "a", "b", "c"]
+    for k in futures:
+        procs.submit(k, b"")
+    procs.shutdown(grace=0.1)
+    assert procs.queue.qsize() == 0
