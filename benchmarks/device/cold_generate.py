@@ -75,6 +75,25 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
         started(self, *args, **kwargs)
 
     worker_module._Processes.__init__ = counted
+    # Each compile handed to a worker: [s after the child's start it was queued, queued first (the traced size),
+    # s it was done, the worker's seconds in it, its outcome] (the critical path of a start with workers).
+    tasks: list[list] = []
+    submit = worker_module._Processes.submit
+
+    def timed_submit(self, key, data, first=False):
+        row = [round(time.perf_counter() - t0, 2), first, None, None, None]
+        tasks.append(row)
+        future = submit(self, key, data, first)
+
+        def done(f):
+            if not f.cancelled():
+                _, outcome, seconds = f.result()
+                row[2:] = [round(time.perf_counter() - t0, 2), round(seconds, 2), outcome[:60]]
+
+        future.add_done_callback(done)
+        return future
+
+    worker_module._Processes.submit = timed_submit
     if os.environ.get("BENCH_WORKER_THREADS"):  # --workers W/T: Inductor's compile threads in each worker
         worker_module.worker_compile_threads = lambda n: int(os.environ["BENCH_WORKER_THREADS"])
 
@@ -83,11 +102,16 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
     import torch._dynamo.symbolic_convert as symbolic_convert
 
     dynamo_runs: list[str] = []
+    dynamo_spans: list[list[float]] = []
     run_frame = symbolic_convert.InstructionTranslator.run
 
     def counted_run(self, *args, **kwargs):
         dynamo_runs.append(self.f_code.co_name)
-        return run_frame(self, *args, **kwargs)
+        start = time.perf_counter() - t0
+        try:
+            return run_frame(self, *args, **kwargs)
+        finally:  # [s it started, s it took: Dynamo's trace, the backend (shapewise's pipeline) included]
+            dynamo_spans.append([round(start, 2), round(time.perf_counter() - t0 - start, 2)])
 
     symbolic_convert.InstructionTranslator.run = counted_run
     device = "cpu" if cpu_layers else "cuda"
@@ -122,6 +146,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
         if "never" in flags:  # W+default:never: the first calls eager while the workers compile every variant
             cpu_as_gpu["wait_for_workers"] = "never"
     t = time.perf_counter()
+    compile_at = t - t0
     fast = sw.compile_generate(model, prompt_sizes=list(SIZES), max_length=512, static_cache=True,
                                cudagraphs=False if cpu_layers else "full", compile_workers=workers, progress=False,
                                warm_start=warm_start, **cpu_as_gpu)
@@ -188,7 +213,8 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "variants": [[r["piece"], r["key"], r["source"], round(r["seconds"], 2)] for r in rows],
             f"tokens_equal_eager_{'fp32' if cpu_layers else 'bf16'}": bool(torch.equal(got, want)),
             "token_check": token_check(got[0, ids.shape[1]:], want[0, ids.shape[1]:], eager.logits),
-            "traces": fast.traces, "dynamo_runs": len(dynamo_runs), "warm_start": warm_start,
+            "traces": fast.traces, "dynamo_runs": len(dynamo_runs), "dynamo_spans_s": dynamo_spans,
+            "warm_start": warm_start,
             "warm_info": fast.warm_info,
             "generate_ms_per_token": round(sorted(per_token)[1] * 1e3, 3),
             f"prefill{ids.shape[1]}_ms": round(sorted(first)[2] * 1e3, 3),
@@ -199,6 +225,7 @@ def child(workers: int, warm_start: bool = False, profile: str | None = None, cp
             "graphs": {"captured": sum(p.graph is not None for p in graphs),
                        "uncaptured": sorted({f"{p.name}: {p.uncaptured}" for p in graphs if p.uncaptured}),
                        "recaptures": sum(p.recaptures for p in graphs)},
+            "worker_tasks": tasks, "compile_generate_at_s": round(compile_at, 2),
             "worker_starts_s": worker_starts,  # more than one: the workers were started again (their torch imports)
             "worker_compile_threads": worker_module.worker_compile_threads(workers) if workers > 1 else None,
             "splitting_ops": os.environ.get("BENCH_SPLIT", "default")}

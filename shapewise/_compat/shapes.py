@@ -204,25 +204,36 @@ def skip_unbacked_names(mode: FakeTensorMode | None, gm: torch.fx.GraphModule) -
     env.unbacked_symint_counter = max(env.unbacked_symint_counter, used + 1)
 
 
-def symbolic_env(symbols: dict[sympy.Symbol, tuple[int, int, int]], assumptions: Sequence[Any] = ()):
+def symbolic_env(symbols: dict[sympy.Symbol, tuple[int, int, int]], assumptions: Sequence[Any] = (),
+                 unbacked: Sequence[sympy.Symbol] = ()):
     """A fresh ShapeEnv + FakeTensorMode with one backed symbol per entry of
-    ``{old symbol: (low, high, hint)}``; returns (mode, {old symbol: new sympy symbol}).
-    ``assumptions``: the trace's guards over the old symbols; ``range_guard_violations`` does not
-    count a point where one fails (no call there reaches this compile: the trace refuses it)."""
+    ``{old symbol: (low, high, hint)}``, an unbacked one (no hint: what the compile assumes of it is
+    checked at run time, not guarded on a made-up value) for those in ``unbacked``; returns (mode,
+    {old symbol: new sympy symbol}). ``assumptions``: the trace's guards over the old symbols;
+    ``range_guard_violations`` does not count a point where one fails (no call there reaches this
+    compile: the trace refuses it)."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
     new = {}
+    for old in unbacked:
+        new[old] = env.create_unbacked_symint().node.expr
+        lo, hi, _ = symbols[old]
+        env.constrain_symbol_range(new[old], compiler_min=lo, compiler_max=hi)
+    if unbacked and isinstance(getattr(env, "pending_fresh_unbacked_symbols", None), list):
+        env.pending_fresh_unbacked_symbols.clear()  # inputs, not an op's outputs: nothing in the trace binds them
     for old, (lo, hi, hint) in symbols.items():
+        if old in new:
+            continue
         e = env.create_symbol(hint, ConstantSource(f"shapewise_{old}"), dynamic_dim=DimDynamic.DYNAMIC,
                               do_not_specialize_zero_one=True)
         env.constrain_symbol_range(e, compiler_min=lo, compiler_max=hi)
         new[old] = e
     # The ranges as made: a guard that specialises a symbol narrows var_to_range to the
     # hint, so a later check must compare against these, not the env's current ranges.
-    _MADE_RANGES[env] = {e: (lo, hi) for (lo, hi, _), e in zip(symbols.values(), new.values())}
+    _MADE_RANGES[env] = {new[old]: (lo, hi) for old, (lo, hi, _) in symbols.items() if old not in unbacked}
     subs = {old: e for old, e in new.items()}
     mapped = [sympy.sympify(g).xreplace(subs) for g in assumptions]
     _ASSUMED[env] = [g for g in mapped if g.free_symbols and g.free_symbols <= _MADE_RANGES[env].keys()]
@@ -259,7 +270,9 @@ def make_symint(mode: FakeTensorMode, expr: sympy.Expr, hint: int) -> Any:
     """A SymInt (or int, if constant) for ``expr`` over ``mode``'s symbols."""
     if not expr.free_symbols:
         return int(expr)
-    return mode.shape_env.create_symintnode(expr, hint=hint)
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return mode.shape_env.create_symintnode(expr, hint=None if free_unbacked_symbols(expr) else hint)
 
 
 _MOST_GUARD_SYMBOLS = 4  # 6**4 points; a guard over more sizes is left to the per-call guards
@@ -277,14 +290,14 @@ def range_guard_failures(mode: FakeTensorMode) -> list[tuple[sympy.Expr, dict[sy
     env = mode.shape_env
     if env is None:
         return []
-    made = _MADE_RANGES.get(env, {})
+    made = _MADE_RANGES.get(env)  # ({} where every symbol is unbacked: no corners)
     points: dict[sympy.Symbol, list[int]] = {}
     # Only the symbols the range was made of: a compile's own symbols (a view's -1, an
     # unbacked size) have no corners, and a guard over them cannot be decided here.
     # Besides the ends, the sizes next to them and to the middle: a guard with a floor or a
     # modulus (T even: Eq(4*T, 8*((T + 1)//2))) can hold at both ends and fail between them.
-    for sym, vr in (made.items() if made else env.var_to_range.items()):
-        lo, hi = vr if made else (vr.lower, vr.upper)
+    for sym, vr in (made.items() if made is not None else env.var_to_range.items()):
+        lo, hi = vr if made is not None else (vr.lower, vr.upper)
         ends = [int(b) for b in (lo, hi) if sympy.sympify(b).is_Integer]
         vals = set(ends)
         if len(ends) == 2:
@@ -294,9 +307,9 @@ def range_guard_failures(mode: FakeTensorMode) -> list[tuple[sympy.Expr, dict[sy
             points[sym] = sorted(vals)
     bad: list[tuple[sympy.Expr, dict[sympy.Symbol, int]]] = [
         (sympy.Eq(sym, value), {}) for sym, value in env.replacements.items()
-        if sym in made and sympy.sympify(value).is_number]
+        if sym in (made or {}) and sympy.sympify(value).is_number]
     for g in env.guards:
-        if made and not g.expr.free_symbols <= made.keys():
+        if made is not None and not g.expr.free_symbols <= made.keys():
             continue
         # Each guard at the points of its own symbols (6**k for k of them), not of all the
         # range's symbols: a cache's dozens of sizes make the full box uncountable.

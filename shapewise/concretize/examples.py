@@ -166,7 +166,7 @@ def _range_env(binding: Binding, hints: Mapping[sympy.Symbol, int], free: Sequen
     ranged.update({s: (0, INT_MAX, range_hint(0, INT_MAX, hints.get(s))) for s in free})
     static = binding.static_values()
     assumed = [sympy.sympify(g).xreplace({s: sympy.Integer(v) for s, v in static.items()}) for g, _ in guards]
-    mode, new = _compat.symbolic_env(ranged, [g for g in assumed if g not in (sympy.true, sympy.false)])
+    mode, new = _compat.symbolic_env(ranged, [g for g in assumed if g not in (sympy.true, sympy.false)], free)
     exprs = {**{s: sympy.Integer(v) for s, v in static.items()}, **new}
     values = {**static, **{s: h for s, (_, _, h) in ranged.items()}}
     return mode, new, exprs, values

@@ -97,6 +97,34 @@ def test_a_piece_that_reads_a_value_compiles_per_size():
     assert sorted(r["source"] for r in fallback.report()) == ["compiled", "fallback"]
 
 
+class _RoutedAcrossAttention(torch.nn.Module):
+    """Split sizes read from a tensor's values (``.tolist()``, as JetMoE's expert counts) and used on both
+    sides of an attention op: the piece after the split gets them as data-dependent inputs."""
+
+    def forward(self, x, counts):
+        sizes = counts.tolist()
+        a, b = x.split(sizes)
+        h = torch.cat([a * 2, b * 3]).view(x.shape[0], 2, 4)
+        h = torch.ops.shapewise_toy.attention(h, h, h).reshape(x.shape)
+        c, d = h.split(sizes)
+        return torch.cat([c + 1, d.sin()])
+
+
+def test_sizes_read_from_values_before_a_split_compile_in_the_piece_after_it():
+    # The piece after the attention takes the two sizes the first piece read: they are data-dependent
+    # in its compile too (what the compile assumes of them, sum == n, is checked when it runs, not
+    # guarded at made-up values: JetMoE's "Split sizes add up to s44 + s51 + ... but got 24" before).
+    # Right at every size and split of it.
+    from shapewise.models import ATTENTION_OP
+
+    model = _RoutedAcrossAttention()
+    fast = sw.compile(model, sizes=[6, 9], splitting_ops=[ATTENTION_OP], backend="aot_eager", progress=False)
+    for n, first in ((6, 2), (9, 4), (6, 5), (9, 1)):
+        x, counts = torch.randn(n, 8), torch.tensor([first, n - first])
+        assert_same(fast(x, counts), model(x, counts), f"n={n}, split {first}")
+    assert {r["source"] for r in fast.report()} == {"compiled"} and fast.traces == 1
+
+
 def _specialising_backend(at: int, compiled: list):
     """A backend that decides ``n < at`` on its first input's size, as a compile may (Inductor and
     AOTAutograd's decompositions read sizes: mamba's ``(n // 8 - 1) // 2 == 1``), and returns code
