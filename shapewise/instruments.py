@@ -319,6 +319,10 @@ class Verify(Instrument):
         return out
 
     def _callable(self, program: Program, values: Mapping[sympy.Symbol, int]) -> tuple[str, Callable[..., Any]]:
+        for p in program.compute_pieces:  # a variant a compile worker has not delivered yet would run eagerly
+            for v in p.variants:  # (wait_for_workers="never"): the check is of the compiled code, so load it
+                if getattr(v.compiled, "stand_in", None) is not None and not v.compiled.ready:
+                    v.compiled.resolve()
         if program.dispatch is not None:
             if self._runnable is None or self._runnable.program is not program:
                 self._runnable = Runnable(program)

@@ -70,6 +70,9 @@ def capture_now(program: Program, runtime: Any, example_inputs: Sequence[Any],
         raise ConfigError("capture_now: the program has no CUDA-graph sizes (CudaGraphs found no compiled single "
                           "size to capture; give capture_sizes)")
     start = time.perf_counter()
+    for gate in runtime.graphs.gates:  # variants still compile workers' (wait_for_workers="never"): loaded first,
+        for variant in gate.pending:  # so that the graphs hold compiled kernels, not an eager stand-in's
+            variant.resolve()
     show = progress if progress is not None else logging.getLogger("shapewise").isEnabledFor(logging.INFO)
     written = plan.written  # the inputs the graph writes, as CudaGraphs found them
     kept = [t for i, t in enumerate(example_inputs) if i in written and isinstance(t, torch.Tensor)]

@@ -33,7 +33,7 @@ from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.cache import ArtifactCache, resolve_cache
 from shapewise.lower.compile import lower_variant, reads_item_values
 from shapewise.lower.lean import drop_size_asserts, expected_layouts, lean_call, lean_splitting_call
-from shapewise.lower.parallel import pending_variant, start_workers
+from shapewise.lower.parallel import eager_refused, pending_variant, start_workers
 from shapewise.lower.workers import WorkerPool, resolve_workers  # (placement's, which workers uses too)
 from shapewise.passes.base import Pass, register_pass
 from shapewise.version import __version__
@@ -290,6 +290,8 @@ class CompileSession:
         wait = self.lower.wait_for_workers
         defer = now is not None and wait is not True and self.lower.on_compile_error != "fallback"
         eager = defer and wait == "never"  # the traced size's go to the workers too, run eagerly meanwhile
+        if now is not None and wait == "never" and (why := eager_refused(self, workers)):
+            log.warning("shapewise: wait_for_workers='never', but this trace's variants compile here: %s", why)
         if workers > 1:
             order, sent = start_workers(self, pieces, order, workers, now if defer else None, keep_now=not eager)
         pool, config = self.workers, _compat.inductor_config_kept() if sent and defer else None
@@ -403,7 +405,8 @@ class Lower(Pass):
     ``wait_for_workers=True`` (and always with ``on_compile_error="fallback"``): every variant before
     the compile returns; ``"never"``: the traced size's too go to the workers (queued first), and each
     pending variant's calls run its graph eagerly until its worker is done (``EagerStandIn``; CUDA graphs
-    capture a size once its variants are all in): the first call waits for no compile.
+    capture a size once its variants are all in): the first call waits for no compile a worker can take
+    (not ranges, graphs reading values, Inductor passes; none without workers or cache: a warning).
     ``lean``: call Inductor inference artifacts past AOTAutograd's runtime wrappers where those
     have nothing to do (see ``lean_call``; the report's ``lean`` column says where), compile
     static pieces without Inductor's input asserts (the runner checks what needs it, see

@@ -38,7 +38,8 @@ from shapewise.ir.program import Binding, Piece, Variant
 from shapewise.ir.runner import LAYOUTS_ATTR
 from shapewise.lower.workers import WorkerPool, task_bytes
 
-__all__ = ["EagerStandIn", "PendingVariant", "is_now", "output_layouts", "pending_variant", "start_workers"]
+__all__ = ["EagerStandIn", "PendingVariant", "eager_refused", "is_now", "output_layouts", "pending_variant",
+           "start_workers"]
 
 log = logging.getLogger("shapewise")
 
@@ -129,6 +130,18 @@ def _kept_here(pieces: Sequence[Piece], order: list[tuple[int, int]], keys: Mapp
     return set(at_now) - {ij for ijs in by_key.values() if ijs is not largest for ij in ijs}
 
 
+def eager_refused(session: Any, workers: int) -> str | None:
+    """Why ``wait_for_workers="never"`` cannot leave this compile's variants to workers (None: it can)."""
+    lower = session.lower
+    if lower.on_compile_error == "fallback":
+        return "on_compile_error='fallback' compiles every variant before the call"
+    if workers <= 1:
+        return f"compile_workers={lower.compile_workers!r} gives no worker process here"
+    if session.cache is None or lower.backend != "inductor":
+        return "workers hand artifacts back through the disk cache, for Inductor only (cache or backend off)"
+    return None
+
+
 def pending_variant(session: Any, piece: Piece, variant: Variant, key: str, pool: WorkerPool, config: Any,
                     eager: bool) -> Variant:
     """``variant`` left to a worker: a ``PendingVariant`` that loads it on its first call (``eager``: on
@@ -176,13 +189,13 @@ class PendingVariant:
         return self._fn is not None
 
     def arrived(self) -> bool:
-        """Whether loading would not wait for the worker: its compile is over (compiled, failed: then
-        compiled here), it was never sent, or the workers are gone."""
+        """Whether loading would not wait for the worker: its compile is over (compiled, or failed or
+        dropped: then compiled in the call), it was never sent, or no worker is left to take it."""
         args = self._args
         if args is None or args[3] is None:
             return True
         future = args[3].futures.get(self._key)
-        return future is None or future.done() or not args[3].processes.alive()
+        return future is None or future.done() or not any(t.is_alive() for t in args[3].processes.threads)
 
     def resolve(self) -> Any:
         """The variant's callable, got once (thread-safe)."""
@@ -217,13 +230,13 @@ class PendingVariant:
     def __call__(self, *args: Any) -> Any:
         fn = self._fn
         if fn is None:
-            if self.stand_in is not None and not self.arrived():
-                return self.stand_in(*args)
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # (eager's kernels too)
                 raise ShapewiseError(
                     f"{self.report.get('piece')} at {self.report.get('key')} is still a compile worker's (not loaded "
                     "yet), and a CUDA graph is being captured: loading it inside the capture would break it. Call "
                     "the compiled model's wait() (it loads every such variant) before capturing")
+            if self.stand_in is not None and not self.arrived():
+                return self.stand_in(*args)
             fn = self.resolve()
         return fn(*args)
 

@@ -110,7 +110,8 @@ class _RoutedAcrossAttention(torch.nn.Module):
         return torch.cat([c + 1, d.sin()])
 
 
-def test_sizes_read_from_values_before_a_split_compile_in_the_piece_after_it():
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
+def test_sizes_read_from_values_before_a_split_compile_in_the_piece_after_it(backend):
     # The piece after the attention takes the two sizes the first piece read: they are data-dependent
     # in its compile too (what the compile assumes of them, sum == n, is checked when it runs, not
     # guarded at made-up values: JetMoE's "Split sizes add up to s44 + s51 + ... but got 24" before).
@@ -118,7 +119,8 @@ def test_sizes_read_from_values_before_a_split_compile_in_the_piece_after_it():
     from shapewise.models import ATTENTION_OP
 
     model = _RoutedAcrossAttention()
-    fast = sw.compile(model, sizes=[6, 9], splitting_ops=[ATTENTION_OP], backend="aot_eager", progress=False)
+    fast = sw.compile(model, sizes=[6, 9], splitting_ops=[ATTENTION_OP], backend=backend, cache=False,
+                      progress=False)
     for n, first in ((6, 2), (9, 4), (6, 5), (9, 1)):
         x, counts = torch.randn(n, 8), torch.tensor([first, n - first])
         assert_same(fast(x, counts), model(x, counts), f"n={n}, split {first}")

@@ -5,6 +5,7 @@ nothing but its time; the pipe protocol of a real worker process."""
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -537,7 +538,7 @@ class HeldPool(InlinePool):
         self.held = []
         return order
 
-    processes = type("Alive", (), {"alive": staticmethod(lambda: True)})()
+    processes = type("Alive", (), {"threads": [threading.main_thread()]})()
 
 
 def test_never_waiting_runs_every_size_eagerly_until_its_worker_is_done_then_the_workers(tmp_path, monkeypatch):
@@ -654,7 +655,31 @@ def test_a_calls_own_size_is_queued_before_the_sizes_no_call_waits_for():
     procs = workers._Processes(0, ())
     futures = {k: procs.submit(k, b"", first=k.startswith("now")) for k in ("a", "b", "now1", "c", "now2")}
     assert [procs.queue.get_nowait()[2][0] for _ in range(5)] == ["now1", "now2", "a", "b", "c"]
-    for k in futures:
-        procs.submit(k, b"")
-    procs.shutdown(grace=0.1)
-    assert procs.queue.qsize() == 0
+    again = [procs.submit(k, b"") for k in futures]
+    procs.shutdown(grace=0.1)  # (no feeding threads: what is queued is dropped)
+    assert all(f.cancelled() for f in again) and procs.queue.qsize() == 0
+
+
+def test_never_waiting_says_why_where_it_cannot_and_verify_checks_the_compiled_code(tmp_path, monkeypatch, caplog):
+    # Without worker processes (compile_workers=1) there is nothing to leave the variants to: a warning says
+    # so, and the trace compiles here as by default. Verify (under "never", every variant pending) loads
+    # the workers' variants before it compares: it checks compiled code, not the eager stand-ins.
+    import logging
+
+    model = _model()
+    with caplog.at_level(logging.WARNING, logger="shapewise"):
+        plain = sw.compile(model, sizes=[1, 2], cache=tmp_path / "a", compile_workers=1, wait_for_workers="never",
+                           progress=False)
+        _check(plain, model, sizes=(1, 2))
+    assert any("compile_workers=1 gives no worker process" in m for m in caplog.messages), caplog.messages
+    assert {r["source"] for r in plain.report()} == {"compiled"}
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", HeldPool)
+    InlinePool.made, InlinePool.fail = [], set()
+    verify = sw.instruments.Verify()
+    checked = sw.compile(model, sizes=[1, 2], cache=tmp_path / "b", compile_workers=2, wait_for_workers="never",
+                         progress=False, instruments=[verify])
+    _check(checked, model, sizes=(1, 2))
+    lowered = [r for r in verify.rows if r["pass"].startswith("lower")]
+    assert lowered and all(r["ok"] and r["ran"] == "variants" for r in lowered), verify.rows
+    assert all(v.compiled.ready and v.compiled.stand_in.calls == 0
+               for p in checked.program.compute_pieces for v in p.variants)
