@@ -440,15 +440,15 @@ class Lower(Pass):
             raise ConfigError(f"cache must be None (default), True, False or a folder path, got {self.cache!r}")
         if not isinstance(self.lean, bool):
             raise ConfigError(f"lean must be True or False, got {self.lean!r}")
-        if not (isinstance(self.wait_for_workers, bool) or self.wait_for_workers == "never"):
-            raise ConfigError(f"wait_for_workers must be True, False or 'never', got {self.wait_for_workers!r}")
+        if not (isinstance(self.wait_for_workers, bool)
+                or self.wait_for_workers == "never" and self.compile == "eager_all"):
+            raise ConfigError(f"wait_for_workers must be True, False or 'never' (with compile='eager_all': a lazy or "
+                              f"background compile runs here), got {self.wait_for_workers!r}, compile={self.compile!r}")
         if not isinstance(self.dedupe, bool):
             raise ConfigError(f"dedupe must be True or False, got {self.dedupe!r}")
         if self.progress not in (None, True, False):
             raise ConfigError(f"progress must be None (auto: on a terminal), True or False, got {self.progress!r}")
-        if not (self.compile_workers == "auto" or (isinstance(self.compile_workers, int)
-                                                   and not isinstance(self.compile_workers, bool)
-                                                   and self.compile_workers >= 1)):
+        if not (self.compile_workers == "auto" or type(self.compile_workers) is int and self.compile_workers >= 1):
             raise ConfigError(f"compile_workers must be a number of processes >= 1 (1: compile here, one variant "
                               f"after another) or 'auto' (from the CPUs), got {self.compile_workers!r}")
         for f in ("options", "static_options", "range_options"):

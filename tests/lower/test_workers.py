@@ -565,6 +565,8 @@ def test_never_waiting_runs_every_size_eagerly_until_its_worker_is_done_then_the
     assert {r["source"] for r in fast.report() if r["static"]} == {"worker"}
     with pytest.raises(sw.ConfigError, match="wait_for_workers must be True, False or 'never'"):
         sw.lower.Lower(wait_for_workers="yes")
+    with pytest.raises(sw.ConfigError, match="a lazy or background compile runs here"):
+        sw.lower.Lower(wait_for_workers="never", compile="lazy")
 
 
 def test_an_eager_stand_in_lays_its_outputs_out_as_the_compiled_variant_will():
