@@ -253,14 +253,20 @@ class PendingVariant:
 class EagerStandIn:
     """A pending variant's graph run eagerly (its forward, not compiled) while a worker compiles it
     (``Lower(wait_for_workers="never")``): the same answers, at eager's speed. Its outputs are laid
-    out as the compiled variant's will be (the graph's fake layouts at the variant's sizes, which
-    Inductor keeps and later pieces were compiled for): one that eager lays out otherwise is copied
-    into that layout, with a warning. ``calls``: how many calls it served."""
+    out as the compiled variant's will be, which later pieces were compiled for: eager's own layout
+    wherever it matches the graph's traced one at the variant's sizes (one comparison a call). Where
+    they differ, the graph is run once on fake inputs laid out as the variant's example inputs (what
+    Inductor compiles from: its outputs keep those layouts), and an output eager lays out otherwise
+    than that is copied into it, with a warning. ``calls``: how many calls it served; ``relaid``: the
+    outputs it copied."""
 
     def __init__(self, piece: Piece, variant: Variant) -> None:
         self.forward = piece.gm.forward
+        self.gm = piece.gm
+        self.example_args = variant.example_args
         self.name = f"{piece.name} at {variant.binding}"
         self.want = output_layouts(piece.gm, variant.binding.static_values() if variant.binding.is_static else {})
+        self.checked = False  # self.want is the compiled variant's layouts (fake propagation), not the trace's
         self.calls = 0
         self.relaid = 0
 
@@ -269,16 +275,38 @@ class EagerStandIn:
         out = self.forward(*args)
         if not self.want or not isinstance(out, (tuple, list)) or len(out) != len(self.want):
             return out
+        if not self.checked and any(_differs(t, want) for t, want in zip(out, self.want)):
+            self.want, self.checked = self._compiled_layouts(), True
+        if not self.checked:
+            return out
         fixed = list(out)
         for i, (t, want) in enumerate(zip(out, self.want)):
-            if want is not None and isinstance(t, torch.Tensor) and tuple(t.shape) == want[0] and any(
-                    size != 1 and got != stride for size, got, stride in zip(want[0], t.stride(), want[1])):
+            if _differs(t, want):
                 if not self.relaid:
                     log.warning("shapewise: %s: eager laid out output %d with strides %s, the compiled variant with "
                                 "%s; copied into that layout while it runs eagerly", self.name, i, t.stride(), want[1])
                 self.relaid += 1
                 fixed[i] = torch.empty_strided(want[0], want[1], dtype=t.dtype, device=t.device).copy_(t)
-        return type(out)(fixed) if self.relaid else out
+        return type(out)(fixed)
+
+    def _compiled_layouts(self) -> tuple:
+        """Per output, the (shape, stride) the graph gives on fake inputs laid out as the variant's
+        example inputs (None per output where that cannot run: nothing is relaid then)."""
+        try:
+            mode = _compat.FakeTensorMode(allow_non_fake_inputs=True)  # (a graph's own constants are real)
+            with mode, torch.no_grad():
+                out = self.gm.forward(*_compat.refake(self.example_args, mode))
+            return tuple((tuple(t.shape), tuple(t.stride())) if isinstance(t, torch.Tensor) else None for t in out)
+        except Exception as e:  # noqa: BLE001 - a graph fake tensors cannot run: eager's layouts stand
+            log.info("shapewise: %s: the compiled variant's output layouts could not be worked out (%s: %s); its "
+                     "eager outputs are used as they are laid out", self.name, type(e).__name__, e)
+            return tuple(None for _ in self.want)
+
+
+def _differs(t: Any, want: tuple | None) -> bool:
+    """Whether tensor ``t`` has ``want``'s shape but other strides (size-1 dims: any stride)."""
+    return want is not None and isinstance(t, torch.Tensor) and tuple(t.shape) == want[0] and any(
+        size != 1 and got != stride for size, got, stride in zip(want[0], t.stride(), want[1]))
 
 
 def output_layouts(gm: torch.fx.GraphModule, values: Mapping[sympy.Symbol, int]) -> tuple | None:

@@ -569,24 +569,39 @@ def test_never_waiting_runs_every_size_eagerly_until_its_worker_is_done_then_the
         sw.lower.Lower(wait_for_workers="never", compile="lazy")
 
 
+@torch.library.custom_op("shapewise_test::lying_transpose", mutates_args=())
+def _lying_transpose(x: torch.Tensor) -> torch.Tensor:
+    return x.t().clone()  # strides (1, rows): clone keeps the transpose's layout
+
+
+@_lying_transpose.register_fake
+def _(x):
+    return x.new_empty(x.shape[1], x.shape[0])  # contiguous: a fake kernel that lies about the strides
+
+
 def test_an_eager_stand_in_lays_its_outputs_out_as_the_compiled_variant_will():
-    # The graph's traced layout is what a later piece was compiled for: an output eager lays out
-    # otherwise (here a transpose the traced graph says is contiguous) is copied into that layout.
+    # What a later piece was compiled for is the compiled variant's layout: the graph's on fake inputs laid
+    # out as the variant's example inputs. Eager's output is kept where it matches that (a transpose the
+    # traced metadata, set here by hand, calls contiguous: fake propagation agrees with eager, nothing
+    # copied) and copied into it where an op's fake kernel lays out otherwise than the op (the lying op).
     from shapewise.lower.parallel import EagerStandIn, output_layouts
 
-    gm = torch.fx.symbolic_trace(lambda x: (x.t(), x + 1))
     fake = torch._subclasses.FakeTensorMode()
     with fake:
-        x = torch.empty(3, 4)
-    for node, val in zip(list(gm.graph.nodes)[:3], (x, torch.empty(4, 3), torch.empty(3, 4))):
-        node.meta["val"] = val
-    assert output_layouts(gm, {}) == (((4, 3), (3, 1)), ((3, 4), (4, 1)))
-    piece = type("P", (), {"gm": gm, "name": "p"})()
-    variant = type("V", (), {"binding": sw.ir.program.Binding(())})()
-    stand_in = EagerStandIn(piece, variant)
+        example = torch.empty(3, 4)
+    variant = type("V", (), {"binding": sw.ir.program.Binding(()), "example_args": (example,)})()
     a = torch.randn(3, 4)
-    t, y = stand_in(a)
-    assert t.stride() == (3, 1) and torch.equal(t, a.t()) and torch.equal(y, a + 1) and stand_in.relaid == 1
+    lying = torch.ops.shapewise_test.lying_transpose
+    for fn, relaid in ((lambda x: (x.t(), x + 1), 0), (lambda x: (lying(x), x + 1), 1)):
+        gm = torch.fx.symbolic_trace(fn)
+        for node, val in zip(list(gm.graph.nodes)[:3], (example, torch.empty(4, 3), torch.empty(3, 4))):
+            node.meta["val"] = val
+        assert output_layouts(gm, {}) == (((4, 3), (3, 1)), ((3, 4), (4, 1)))
+        stand_in = EagerStandIn(type("P", (), {"gm": gm, "name": "p"})(), variant)
+        t, y = stand_in(a)
+        assert torch.equal(t, a.t()) and torch.equal(y, a + 1) and stand_in.relaid == relaid
+        assert t.stride() == ((3, 1) if relaid else (1, 4)) and stand_in.checked
+
 
 
 def test_compile_generate_never_waiting_generates_eagers_tokens_before_and_after_the_workers(tmp_path, monkeypatch):
