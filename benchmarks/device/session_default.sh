@@ -7,12 +7,7 @@
 # static cache kept from call to call). One deadline (DEADLINE s); results under $OUT (all.tgz). From the root:
 #   DEADLINE=585 SUITE_LIMIT=330 ORDER="4,4+none:keep" CHILD_TIMEOUT=120 bash benchmarks/device/session_default.sh
 source benchmarks/device/_setup.sh
-export TORCHINDUCTOR_COMPILE_THREADS=2
-timeout "${SUITE_LIMIT:-330}" python3 -m pytest -v -rfE -n 8 -m "(gpu or inductor) and not fuzz" -p no:cacheprovider \
-  --durations=25 ${TESTS:-tests} >"$OUT/gpu_suite.txt" 2>&1
-echo "suite rc=$?"; grep -cE " PASSED " "$OUT/gpu_suite.txt" | sed 's/^/passed so far: /'
-grep -E "passed|failed|error|FAILED|ERROR" "$OUT/gpu_suite.txt" | grep -v " PASSED " | tail -30
-unset TORCHINDUCTOR_COMPILE_THREADS
+gpu_suite "${SUITE_LIMIT:-330}"
 timeout $(( $(left) - 5 )) python3 benchmarks/device/cold_generate.py --out "$OUT/cold" --workers "${ORDER:-4,4+none}" \
   --timeout "${CHILD_TIMEOUT:-80}" --torch-profile 2>&1 | cut -c1-300 | tail -4
 echo done

@@ -11,9 +11,5 @@ if [ "${TEST_LIMIT:-240}" -gt 0 ]; then
     ${TESTS:-tests/library tests/models} >"$OUT/gpu_tests.txt" 2>&1
   echo "tests rc=$?"; tail -5 "$OUT/gpu_tests.txt"
 fi
-T=$(left); echo "left for bench_decode: $T s"
-[ "$T" -gt 60 ] && timeout $(( T - 5 )) python3 benchmarks/bench_decode.py --models 1b \
-  --contenders "${CONTENDERS:-sw_full,sw_full_nonorm,hf_recipe}" --rounds 3 \
-  --generate-repeats "${GENERATE_REPEATS:-3}" --check-layers "${CHECK_LAYERS:-2}" --out "$OUT/decode" 2>&1 \
-  | grep -v "Warn\|warn\|skipping" | tee "$OUT/bench_decode.log" | tail -12
+GENERATE_REPEATS=${GENERATE_REPEATS:-3} decode_1b "${CONTENDERS:-sw_full,sw_full_nonorm,hf_recipe}"
 echo done

@@ -490,17 +490,23 @@ def test_a_pending_variant_whose_compile_fails_raises_on_every_call_without_comp
         fast.wait()
 
 
+def _tiny_llama(monkeypatch, pool: type, layers: int = 1):
+    """A transformers Llama of ``layers`` layers (vocab 96, hidden 32), seeded, in eval mode, with ``pool`` standing
+    in for the worker processes."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", pool)
+    InlinePool.made, InlinePool.fail = [], set()
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
 def test_compile_generate_on_a_transformers_model_leaves_other_prompt_sizes_to_the_workers(tmp_path, monkeypatch):
     # A user's cold start with workers: the first generate() runs once its prompt size and decode are
     # compiled here; the other prompt size is a worker's, loaded by the generate() that needs it; the
     # tokens are eager's throughout.
-    transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", InlinePool)
-    InlinePool.made, InlinePool.fail = [], set()
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = _tiny_llama(monkeypatch, InlinePool)
     long, short = torch.randint(0, 96, (1, 6)), torch.randint(0, 96, (1, 4))
     want = {n: model.generate(ids, max_new_tokens=5, do_sample=False, disable_compile=True).tolist()
             for n, ids in ((6, long), (4, short))}
@@ -608,13 +614,7 @@ def test_compile_generate_never_waiting_generates_eagers_tokens_before_and_after
     # A user's cold start that waits for no compile: the first generate() runs the prompt and decode graphs
     # eagerly (every variant a worker's, queued), with eager's tokens; once the workers are done the next
     # generate() loads and runs their artifacts, the same tokens. Start-up capture cannot go with it.
-    transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", HeldPool)
-    InlinePool.made, InlinePool.fail = [], set()
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = _tiny_llama(monkeypatch, HeldPool)
     ids = torch.randint(0, 96, (1, 6))
     want = model.generate(ids, max_new_tokens=5, do_sample=False, disable_compile=True).tolist()
     fast = sw.compile_generate(model, prompt_sizes=[4, 6], max_length=16, static_cache=True, cache=str(tmp_path),
@@ -639,13 +639,7 @@ def test_never_waiting_captures_cuda_graphs_only_once_the_workers_variants_are_i
     # throughout, and the gate leaves the dispatch table.
     from shapewise.dispatch.cudagraphs import UntilCompiled
 
-    transformers = pytest.importorskip("transformers")
-    monkeypatch.setattr("shapewise.lower.parallel.WorkerPool", HeldPool)
-    InlinePool.made, InlinePool.fail = [], set()
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval().cuda()
+    model = _tiny_llama(monkeypatch, HeldPool, layers=2).cuda()
     ids = torch.randint(0, 96, (1, 6), device="cuda")
     want = model.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static",
                           disable_compile=True)
